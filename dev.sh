@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One entry point for a fresh machine: sets up .venv (idempotent), then runs a job.
+#   bash dev.sh demo   -> set up, then run the multi-process CPU demo
+#   bash dev.sh test   -> set up, then lint and run the whole test suite
+set -euo pipefail
+cd "$(dirname "$0")"
+
+PY=${PYTHON:-python3}
+VENV=.venv
+STAMP=$VENV/.ranksafe-setup
+
+setup() {
+  local want
+  want=$(cat pyproject.toml requirements/*.txt dev.sh | sha256sum | cut -d' ' -f1)
+  if [[ -f $STAMP && $(cat "$STAMP") == "$want" ]]; then return; fi
+  echo "== setting up $VENV"
+  [[ -x $VENV/bin/python ]] || "$PY" -m venv "$VENV"
+  local pip=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+  # CPU torch first and pinned: anything unpinned would pull the CUDA build.
+  "${pip[@]}" "torch==2.13.0"
+  # fastai without torchvision (see requirements/fastai-deps.txt).
+  "${pip[@]}" --no-deps "fastai==2.8.12"
+  "${pip[@]}" -r requirements/fastai-deps.txt -r requirements/dev.txt -e ".[lightning,dev]" "torch==2.13.0"
+  if "$VENV/bin/python" -c "import torchvision" 2>/dev/null; then
+    echo "torchvision must not be installed (breaks lightning on CPU torch)" >&2; exit 1
+  fi
+  echo "$want" > "$STAMP"
+}
+
+job=${1:-}
+case "$job" in
+  demo)
+    setup
+    exec "$VENV/bin/ranksafe" demo "${@:2}" ;;
+  test)
+    setup
+    export PATH="$PWD/$VENV/bin:$PATH"
+    ruff check src tests
+    ruff format --check src tests
+    # pytest exits 5 when it collected nothing: that is a failure here, as is any other non-zero code.
+    pytest "${@:2}" ;;
+  *)
+    echo "usage: bash dev.sh demo|test [args]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,48 @@
+"""ranksafe: saving and loading that stay correct on 1 or 1,000 processes.
+
+One writer, a barrier inside load, decisions every rank agrees on, atomic files, and an error on one
+rank raised on every rank instead of a hang.
+"""
+
+from .collectives import agree, all_gather, barrier, broadcast, main_first, together
+from .errors import (
+    BarrierTimeout,
+    CollectiveMismatch,
+    CorruptCheckpoint,
+    RankFailure,
+    RankSafeError,
+    UntrustedCheckpoint,
+)
+from .files import atomic_save, atomic_write, load_file, verify_file
+from .saving import load, prepare_dir, save
+from .topology import is_local_main, is_main, local_rank, node_rank, rank, world_size
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BarrierTimeout",
+    "CollectiveMismatch",
+    "CorruptCheckpoint",
+    "RankFailure",
+    "RankSafeError",
+    "UntrustedCheckpoint",
+    "agree",
+    "all_gather",
+    "atomic_save",
+    "atomic_write",
+    "barrier",
+    "broadcast",
+    "is_local_main",
+    "is_main",
+    "load",
+    "load_file",
+    "local_rank",
+    "main_first",
+    "node_rank",
+    "prepare_dir",
+    "rank",
+    "save",
+    "together",
+    "verify_file",
+    "world_size",
+]

@@ -1,0 +1,299 @@
+"""Collectives that never hang and never let ranks diverge: barrier, agree, broadcast, together.
+
+Every function here is a *collective*: all ranks call it, in the same order. They run over the
+process group's key-value store (the c10d ``TCPStore`` every launcher sets up), not over the backend's
+collectives, for three reasons:
+
+* a timeout is ours to choose, and when it expires we know *which* ranks never arrived;
+* a decision (a bool, a float, a small object) needs no device tensors, whatever the backend (gloo, NCCL);
+* every call carries its name, so ranks that reach *different* collectives at the same point (diverged
+  control flow, the root of most hangs) get :class:`CollectiveMismatch` instead of a silent deadlock.
+
+One *exchange* is the building block: each rank posts its value, rank 0 waits for all of them, reduces
+them, and posts one result that every rank reads. Rank 0 does O(world) store operations, every other rank
+O(1). In a single process each function is a local no-op with the same return value.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import math
+import os
+import pickle
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Literal, TypeVar
+
+import torch.distributed as dist
+
+from . import topology
+from .errors import BarrierTimeout, CollectiveMismatch, Failure, RankFailure, rank_failure
+
+T = TypeVar("T")
+Op = Literal["all", "any", "max", "min", "sum", "mean", "main"]
+
+DEFAULT_TIMEOUT = 1800.0
+"""Seconds a collective waits for the slowest rank (``RANKSAFE_TIMEOUT`` overrides it)."""
+
+_GRACE = 1.5  # extra seconds non-main ranks wait, so that main reports a timeout before they do
+
+
+def default_timeout() -> float:
+    return float(os.environ.get("RANKSAFE_TIMEOUT", DEFAULT_TIMEOUT))
+
+
+class _Session:
+    """Per-process-group state: the store, a key prefix unique to this group's lifetime, the call count."""
+
+    def __init__(self) -> None:
+        self.group_id = id(dist.group.WORLD)
+        self.store = dist.distributed_c10d._get_default_store()
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        # A store can outlive a process group (torchrun's agent store, re-initialised groups): number the
+        # sessions so keys of an earlier group are never read. Ranks of one group all draw from the same
+        # block of `world` tickets, so they compute the same session index.
+        ticket = self.store.add("ranksafe/sessions", 1)
+        self.prefix = f"ranksafe/{(ticket - 1) // self.world}/"
+        self.seq = 0
+        self.lock = threading.Lock()
+        self.hosts: list[str] = []
+        self.drain_pending = False  # main posted a result that every rank is expected to read
+
+    def keys(self, seq: int) -> tuple[list[str], str, str]:
+        """Each rank's post, the result, and the counter of ranks that have read the result."""
+        base = f"{self.prefix}{seq}"
+        return [f"{base}/{r}" for r in range(self.world)], f"{base}/result", f"{base}/read"
+
+    def drain(self, timeout: float = 10.0) -> None:
+        """On main: wait until every rank has read the last result.
+
+        Under ``mp.spawn`` the store lives in rank 0's process: if rank 0 exited right after the last
+        collective, the others would lose the store before reading its result.
+        """
+        if self.rank != 0 or not self.drain_pending:
+            return
+        _, _, read_key = self.keys(self.seq)
+        deadline = time.monotonic() + timeout
+        with contextlib.suppress(dist.DistError):
+            while self.store.add(read_key, 0) < self.world - 1 and time.monotonic() < deadline:
+                time.sleep(0.005)
+
+
+_session: _Session | None = None
+_session_lock = threading.Lock()
+
+
+@atexit.register
+def _drain_at_exit() -> None:
+    if _session is not None and topology.is_distributed():
+        _session.drain()
+
+
+def _get_session(timeout: float | None) -> _Session | None:
+    """The current group's session, or None in a single process.
+
+    A new session starts with an exchange of host names (local ranks, nodes), under the caller's timeout.
+    """
+    global _session
+    if not topology.is_distributed():
+        if topology.world_size() > 1:
+            raise RuntimeError(
+                f"the launcher says this job has {topology.world_size()} processes but no "
+                "torch.distributed process group is initialised here; call "
+                "torch.distributed.init_process_group() before ranksafe's collectives"
+            )
+        return None
+    if dist.get_world_size() == 1:
+        return None
+    with _session_lock:
+        if _session is None or _session.group_id != id(dist.group.WORLD):
+            _session = _Session()
+            _session.hosts = _exchange_in(_session, "ranksafe:hosts", topology.hostname(), list, timeout)
+            topology.record_host_exchange(_session.hosts)
+        return _session
+
+
+def _exchange_in(s: _Session, name: str, value: Any, reduce: Callable[[list], Any], timeout: float | None):
+    timeout = default_timeout() if timeout is None else float(timeout)
+    with s.lock:
+        s.seq += 1
+        seq = s.seq
+        rank_keys, result_key, read_key = s.keys(seq)
+        try:
+            s.store.set(rank_keys[s.rank], pickle.dumps((name, value)))
+            if s.rank == 0:
+                result = _collect(s, name, rank_keys, reduce, timeout)
+                s.store.set(result_key, pickle.dumps(result))
+                s.drain_pending = result[0] != "timeout"  # after a timeout some ranks will never read it
+                if seq > 1:  # every rank has read the previous result once it posted to this one
+                    old_keys, old_result, old_read = s.keys(seq - 1)
+                    for k in [*old_keys, old_result, old_read]:
+                        s.store.delete_key(k)
+            else:
+                result = _await_result(s, name, rank_keys, result_key, timeout)
+                s.store.add(read_key, 1)
+        except dist.DistError as e:
+            raise RankFailure(
+                name,
+                [Failure(s.rank, "ConnectionError", f"lost the rendezvous store ({e}); a rank probably exited")],
+            ) from e
+    kind, payload = result
+    if kind == "ok":
+        return payload
+    if kind == "timeout":
+        raise BarrierTimeout(name, payload, timeout)
+    if kind == "mismatch":
+        raise CollectiveMismatch(
+            name, [Failure(r, "ranksafe.CollectiveMismatch", f"was in {n!r}") for r, n in payload.items()]
+        )
+    raise rank_failure(name, [payload])
+
+
+def _collect(s: _Session, name: str, rank_keys: list[str], reduce, timeout: float):
+    try:
+        s.store.wait(rank_keys, timedelta(seconds=timeout))
+    except dist.DistStoreError:
+        return "timeout", [r for r, k in enumerate(rank_keys) if not s.store.check([k])]
+    posted = [pickle.loads(b) for b in s.store.multi_get(rank_keys)]
+    names = {n for n, _ in posted}
+    if len(names) > 1:
+        return "mismatch", {r: n for r, (n, _) in enumerate(posted)}
+    try:
+        return "ok", reduce([v for _, v in posted])
+    except Exception as e:  # a reduction that cannot combine the values (e.g. max of mixed types)
+        return "error", Failure.from_exception(0, e)
+
+
+def _await_result(s: _Session, name: str, rank_keys: list[str], result_key: str, timeout: float):
+    try:
+        s.store.wait([result_key], timedelta(seconds=timeout + _GRACE))
+    except dist.DistStoreError:
+        missing = [r for r, k in enumerate(rank_keys) if not s.store.check([k])]
+        raise BarrierTimeout(name, missing or [0], timeout) from None
+    return pickle.loads(s.store.get(result_key))
+
+
+def exchange(name: str, value: Any, reduce: Callable[[list], T], timeout: float | None = None) -> T:
+    """Post ``value``, get ``reduce(values of all ranks in rank order)`` back on every rank.
+
+    The primitive under every ranksafe collective; ``name`` must be the same on all ranks at this call.
+    """
+    s = _get_session(timeout)
+    if s is None:
+        return reduce([value])
+    return _exchange_in(s, name, value, reduce, timeout)
+
+
+def barrier(name: str = "", timeout: float | None = None) -> None:
+    """Wait until every rank arrives; raise :class:`BarrierTimeout` naming the missing ranks otherwise."""
+    exchange(f"barrier:{name}", None, lambda _: None, timeout)
+
+
+def _nan_aware(fn: Callable[[list], Any]) -> Callable[[list], Any]:
+    # Python's max/min answer depends on where a NaN sits in the list; a NaN anywhere must win everywhere.
+    def reduce(values: list) -> Any:
+        if any(isinstance(v, float) and math.isnan(v) for v in values):
+            return math.nan
+        return fn(values)
+
+    return reduce
+
+
+_OPS: dict[str, Callable[[list], Any]] = {
+    "all": lambda vs: all(bool(v) for v in vs),
+    "any": lambda vs: any(bool(v) for v in vs),
+    "max": _nan_aware(max),
+    "min": _nan_aware(min),
+    "sum": _nan_aware(sum),
+    "mean": _nan_aware(lambda vs: sum(vs) / len(vs)),
+    "main": lambda vs: vs[0],
+}
+
+
+def agree(value: Any, op: Op = "all", *, name: str = "", timeout: float | None = None) -> Any:
+    """Combine ``value`` across ranks so that every rank gets the same answer.
+
+    ``all``/``any`` for booleans, ``max``/``min``/``sum``/``mean`` for numbers (a NaN on any rank gives NaN
+    on all), ``main`` for rank 0's value of any picklable object. Use it before any branch that decides
+    whether ranks reach a collective: a new best?, stop?, retry?, does the file exist?
+    """
+    if op not in _OPS:
+        raise ValueError(f"op must be one of {', '.join(_OPS)}, not {op!r}")
+    if hasattr(value, "item") and callable(value.item):  # a 0-d tensor or numpy scalar
+        value = value.item()
+    return exchange(f"agree[{op}]:{name}", value, _OPS[op], timeout)
+
+
+def broadcast(obj: T, src: int = 0, *, name: str = "", timeout: float | None = None) -> T:
+    """Rank ``src``'s ``obj`` on every rank (a small picklable object; use torch for big tensors)."""
+    mine = obj if topology.rank() == src else None
+    return exchange(f"broadcast[{src}]:{name}", mine, lambda vs: vs[src], timeout)
+
+
+def all_gather(obj: Any, *, name: str = "", timeout: float | None = None) -> list:
+    """Every rank's ``obj``, in rank order, on every rank."""
+    return exchange(f"all_gather:{name}", obj, list, timeout)
+
+
+def _failures(outcomes: Sequence[Failure | None]) -> list[Failure]:
+    return [f for f in outcomes if f is not None]
+
+
+def share_outcome(name: str, exc: BaseException | None, timeout: float | None = None) -> None:
+    """Tell every rank whether this rank failed; raise :class:`RankFailure` everywhere if any did.
+
+    The failing rank's own exception is chained as the cause. In a single process the original
+    exception is re-raised unchanged.
+    """
+    mine = None if exc is None else Failure.from_exception(topology.rank(), exc)
+    failures = exchange(f"outcome:{name}", mine, _failures, timeout)
+    if not failures:
+        return
+    if exc is not None and topology.world_size() == 1:
+        raise exc
+    raise rank_failure(name, failures) from exc
+
+
+class together:
+    """Run a block on every rank; if it raises on any rank, raise :class:`RankFailure` on all of them.
+
+    One small collective when nothing fails. The failing rank chains its original exception. Use it
+    around any block whose failure on one rank would otherwise leave the others waiting forever in the
+    next collective.
+    """
+
+    def __init__(self, name: str = "together", timeout: float | None = None):
+        self.name = name
+        self.timeout = timeout
+
+    def __enter__(self) -> together:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        share_outcome(self.name, exc, self.timeout)
+        return False
+
+
+@contextmanager
+def main_first(name: str = "main_first", timeout: float | None = None) -> Iterator[None]:
+    """Run the block on rank 0 first, then on the others (downloads, caches, directory creation).
+
+    If rank 0's block raises, the other ranks raise :class:`RankFailure` instead of running theirs; if
+    another rank's block raises, every rank raises it. No rank is ever left waiting.
+    """
+    main = topology.is_main()
+    if not main:
+        share_outcome(f"{name}:main", None, timeout)  # returns once main's block is done, raises if it failed
+    exc: BaseException | None = None
+    try:
+        yield
+    except BaseException as e:
+        exc = e
+    if main:
+        share_outcome(f"{name}:main", exc, timeout)
+    share_outcome(f"{name}:others", None if main else exc, timeout)

@@ -1,0 +1,155 @@
+"""The errors ranksafe raises, and how a failure on one rank becomes the same error on every rank.
+
+A failure travels between ranks as a :class:`Failure` record (rank, exception type name, message), never
+as a pickled exception: the receiving ranks rebuild the error from plain strings, so no rank unpickles
+a class it did not expect, and an exception that cannot be pickled still reaches everyone.
+"""
+
+from __future__ import annotations
+
+import builtins
+import os
+from dataclasses import dataclass
+from functools import cache
+
+
+class RankSafeError(Exception):
+    """Base class of every error ranksafe defines."""
+
+
+class CorruptCheckpoint(RankSafeError):
+    """A checkpoint file exists but cannot be read back: truncated, bit-flipped, or not a checkpoint."""
+
+    def __init__(self, path: str | os.PathLike, reason: str):
+        self.path = os.fspath(path)
+        self.reason = reason
+        super().__init__(f"corrupt checkpoint {self.path}: {reason}")
+
+
+class UntrustedCheckpoint(RankSafeError):
+    """A checkpoint holds pickled objects and was loaded with ``weights_only=True``.
+
+    Loading arbitrary pickles runs code; ranksafe only does it when the caller opts in explicitly.
+    """
+
+    def __init__(self, path: str | os.PathLike, reason: str):
+        self.path = os.fspath(path)
+        super().__init__(
+            f"{self.path} holds objects that weights_only loading refuses ({reason}). If you trust the "
+            "file, load it with weights_only=False (or trusted=True in the integrations)."
+        )
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What one rank reports about an exception it raised inside a shared section."""
+
+    rank: int
+    type_name: str  # "module.QualName"
+    message: str
+
+    @classmethod
+    def from_exception(cls, rank: int, exc: BaseException) -> Failure:
+        t = type(exc)
+        return cls(rank, f"{t.__module__}.{t.__qualname__}", str(exc))
+
+    @property
+    def short_type(self) -> str:
+        return self.type_name.rsplit(".", 1)[-1]
+
+    def __str__(self) -> str:
+        return f"rank {self.rank}: {self.short_type}: {self.message}"
+
+
+class RankFailure(RankSafeError):
+    """Raised on every rank when any rank failed inside a shared section (a save, a load, ``together``).
+
+    ``failures`` lists each failed rank with its exception type and message. On the rank that failed,
+    the original exception is chained as ``__cause__``. When all failures have the same built-in or
+    ranksafe type (``FileNotFoundError``, ``CorruptCheckpoint``...), the raised object is also an
+    instance of that type, so ``except FileNotFoundError`` works on every rank, not only the failing one.
+    """
+
+    def __init__(self, what: str, failures: list[Failure]):
+        self.what = what
+        self.failures = list(failures)
+        detail = "; ".join(str(f) for f in self.failures)
+        # Exception.__init__, not super(): in a mixed class the next base (OSError, CorruptCheckpoint...)
+        # has its own signature
+        Exception.__init__(self, f"{what} failed on {self.ranks_text()}: {detail}")
+
+    @property
+    def ranks(self) -> list[int]:
+        return [f.rank for f in self.failures]
+
+    def ranks_text(self) -> str:
+        r = self.ranks
+        return f"rank {r[0]}" if len(r) == 1 else f"ranks {', '.join(map(str, r))}"
+
+    def __str__(self) -> str:  # OSError subclasses format their own str; keep ours
+        return self.args[0] if self.args else ""
+
+    def __reduce__(self):
+        return (_rebuild_rank_failure, (self.what, self.failures))
+
+
+class BarrierTimeout(RankFailure):
+    """A collective did not complete in time: ``missing`` are the ranks that never arrived."""
+
+    def __init__(self, what: str, missing: list[int], timeout: float):
+        self.missing = sorted(missing)
+        self.timeout = timeout
+        failures = [Failure(r, "ranksafe.BarrierTimeout", f"did not arrive within {timeout:g}s") for r in missing]
+        RankSafeError.__init__(
+            self,
+            f"{what}: timed out after {timeout:g}s waiting for rank(s) {', '.join(map(str, self.missing))}",
+        )
+        self.what, self.failures = what, failures
+
+    def __reduce__(self):
+        return (BarrierTimeout, (self.what, self.missing, self.timeout))
+
+
+class CollectiveMismatch(RankFailure):
+    """Ranks entered different collectives at the same point: their control flow diverged."""
+
+
+def _rebuild_rank_failure(what: str, failures: list[Failure]) -> RankFailure:
+    return rank_failure(what, failures)
+
+
+def _resolve(type_name: str) -> type[BaseException] | None:
+    """The exception class named by ``type_name`` if it is a built-in or a ranksafe error, else None."""
+    module, _, name = type_name.rpartition(".")
+    if module == "builtins":
+        t = getattr(builtins, name, None)
+    elif module.startswith("ranksafe"):
+        t = globals().get(name)
+    else:
+        return None
+    ok = isinstance(t, type) and issubclass(t, Exception) and not issubclass(t, RankFailure)
+    return t if ok else None
+
+
+@cache
+def _shared_type(t: type[BaseException]) -> type[RankFailure]:
+    """A class that is both a RankFailure and ``t`` (e.g. ``RankFailure[FileNotFoundError]``)."""
+
+    def __init__(self, what: str, failures: list[Failure]):
+        RankFailure.__init__(self, what, failures)
+
+    ns = {"__init__": __init__, "__module__": __name__, "__qualname__": f"RankFailure[{t.__name__}]"}
+    return type(f"RankFailure[{t.__name__}]", (RankFailure, t), ns)
+
+
+def rank_failure(what: str, failures: list[Failure]) -> RankFailure:
+    """Build the error every rank raises for ``failures``; same object type on every rank."""
+    kinds = {f.type_name for f in failures}
+    if len(kinds) == 1:
+        t = _resolve(kinds.pop())
+        if t is not None:
+            try:
+                return _shared_type(t)(what, failures)
+            except TypeError:  # a class whose layout does not mix with RankFailure
+                pass
+    return RankFailure(what, failures)

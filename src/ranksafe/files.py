@@ -1,0 +1,286 @@
+"""Local file primitives: the atomic commit of one file, and a verified load. No collectives here.
+
+The commit protocol (:class:`AtomicFile`) is the one place that decides how a file becomes visible:
+
+1. write to a temporary file with an unpredictable name *in the target's directory* (so the final rename
+   never crosses a file system, and never falls back to a copy that a crash can tear);
+2. flush and ``fsync`` it, then ``os.replace`` it over the target, then ``fsync`` the directory.
+
+A reader sees the old file or the new one, never a torn one; a crash leaves the previous file intact and a
+temporary file that the next write to the same directory removes.
+
+Files written by :func:`atomic_save` end with a small footer (payload length and CRC32, computed while
+streaming). ``torch.load`` ignores bytes after the zip archive, so the files stay loadable by stock
+PyTorch, while :func:`load_file` detects truncation *and* bit flips (which ``torch.load`` alone loads
+silently as wrong values).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import secrets
+import socket
+import struct
+import time
+import zlib
+from collections.abc import Iterator
+from typing import IO, Any
+
+import torch
+
+from .errors import CorruptCheckpoint, UntrustedCheckpoint
+
+TMP_SUFFIX = ".ranksafe-tmp"
+_ORPHAN_AGE = 24 * 3600  # temporaries of another host are removed once this old
+_FOOTER = struct.Struct("<8sQI4s")  # magic, payload length, crc32, version
+_MAGIC, _VERSION = b"RANKSAFE", b"v1\0\0"
+_CHUNK = 8 << 20
+_ZIP_START, _EOCD, _EOCD_SIZE = b"PK\x03\x04", b"PK\x05\x06", 22  # torch writes no zip comment
+
+
+def _host_tag() -> str:
+    return socket.gethostname().replace(".", "_")
+
+
+def _umask() -> int:
+    with contextlib.suppress(OSError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)  # fallback where /proc is missing; racy only against other umask writers
+    os.umask(mask)
+    return mask
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a rename or creation inside ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def clean_orphans(directory: str | os.PathLike, prefix: str = "") -> list[str]:
+    """Remove temporary files left by crashed writers in ``directory``; return their names.
+
+    A temporary belongs to a crashed writer when its process no longer exists on this host, or, for
+    another host, when it is older than a day. Live writers' temporaries are never touched.
+    """
+    removed = []
+    host = _host_tag()
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        if not (name.startswith("." + prefix) and name.endswith(TMP_SUFFIX)):
+            continue
+        parts = name[: -len(TMP_SUFFIX)].rsplit(".", 3)  # [.target, host, pid, random]
+        if len(parts) != 4 or not parts[2].isdigit():
+            continue
+        path = os.path.join(directory, name)
+        try:
+            stale = (
+                not _pid_alive(int(parts[2]))
+                if parts[1] == host
+                else time.time() - os.stat(path).st_mtime > _ORPHAN_AGE
+            )
+            if stale:
+                os.unlink(path)
+                removed.append(name)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+class _ChecksummingWriter:
+    """A write-only file wrapper that counts and CRCs every byte on its way to disk."""
+
+    def __init__(self, f: IO[bytes]):
+        self._f = f
+        self.length = 0
+        self.crc = 0
+
+    def write(self, data) -> int:
+        n = self._f.write(data)
+        self.crc = zlib.crc32(data, self.crc)
+        self.length += len(data) if n is None else n
+        return len(data) if n is None else n
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def footer(self) -> bytes:
+        return _FOOTER.pack(_MAGIC, self.length, self.crc, _VERSION)
+
+
+class AtomicFile:
+    """The commit protocol for one file: temporary beside the target, fsync, rename, fsync directory.
+
+    ``open()`` creates the temporary, ``commit()`` publishes it, ``abort()`` removes it. Prefer
+    :func:`atomic_write`, which runs the three in the right order.
+    """
+
+    def __init__(self, target: str | os.PathLike):
+        self.target = os.path.abspath(os.fspath(target))
+        self.directory, self.name = os.path.split(self.target)
+        self.tmp: str | None = None
+        self._file: IO[bytes] | None = None
+
+    def open(self, mode: str = "wb") -> IO:
+        if os.path.isdir(self.target):
+            raise IsADirectoryError(f"cannot write {self.target}: it is a directory")
+        clean_orphans(self.directory, self.name)
+        tag = f".{self.name}.{_host_tag()}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
+        self.tmp = os.path.join(self.directory, tag)
+        fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            # mkstemp-style 0600 while writing; the published file gets the mode a plain open() would give
+            mode_bits = os.stat(self.target).st_mode & 0o777 if os.path.exists(self.target) else 0o666 & ~_umask()
+            os.fchmod(fd, mode_bits)
+            self._file = os.fdopen(fd, mode, buffering=_CHUNK) if "b" in mode else os.fdopen(fd, mode)
+        except BaseException:
+            os.close(fd)
+            self.abort()
+            raise
+        return self._file
+
+    def commit(self) -> None:
+        assert self._file is not None and self.tmp is not None, "commit() before open()"
+        f, self._file = self._file, None
+        try:
+            f.flush()
+            os.fsync(f.fileno())
+        finally:
+            f.close()
+        os.replace(self.tmp, self.target)
+        self.tmp = None
+        fsync_dir(self.directory)
+
+    def abort(self) -> None:
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()
+            self._file = None
+        if self.tmp is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.tmp)
+            self.tmp = None
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
+    """Open ``path`` for writing so that it appears complete or not at all.
+
+    Local (no collectives): call it on the writer rank only, or use :func:`ranksafe.save`. On any
+    exception the target is untouched and the temporary file is removed.
+    """
+    commit = AtomicFile(path)
+    f = commit.open(mode)
+    try:
+        yield f
+    except BaseException:
+        commit.abort()
+        raise
+    try:
+        commit.commit()
+    except BaseException:
+        commit.abort()
+        raise
+
+
+def atomic_save(obj: Any, path: str | os.PathLike, **torch_save_kwargs: Any) -> str:
+    """``torch.save`` ``obj`` to ``path`` atomically, with an integrity footer. Local, no collectives."""
+    with atomic_write(path) as f:
+        w = _ChecksummingWriter(f)
+        torch.save(obj, w, **torch_save_kwargs)
+        f.write(w.footer())
+    return os.fspath(path)
+
+
+def verify_file(path: str | os.PathLike) -> bool:
+    """Check the integrity of a checkpoint file without unpickling it.
+
+    Returns True when the ranksafe footer matches the content, False for a complete file without one
+    (written by stock ``torch.save``: only its zip structure can be checked, by the load). Raises
+    :class:`CorruptCheckpoint` for a mismatch, a partial footer or a zip archive cut short, and
+    ``FileNotFoundError`` / ``IsADirectoryError`` as ``open`` does.
+    """
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            raise CorruptCheckpoint(path, "the file is empty")
+        is_zip = f.read(4) == _ZIP_START
+        f.seek(max(0, size - _FOOTER.size))
+        tail = f.read(_FOOTER.size)
+        if len(tail) < _FOOTER.size or tail[:8] != _MAGIC or tail[-4:] != _VERSION:
+            # No footer. A zip (torch's format) must then end with its end-of-central-directory record;
+            # anything else is a ranksafe file whose footer was cut, or a zip cut short.
+            if is_zip and tail[-_EOCD_SIZE:][:4] != _EOCD:
+                raise CorruptCheckpoint(path, "the file is truncated (no end of archive, no ranksafe footer)")
+            return False
+        _, length, crc, _ = _FOOTER.unpack(tail)
+        if length != size - _FOOTER.size:
+            raise CorruptCheckpoint(path, f"size is {size - _FOOTER.size} bytes, the footer says {length}")
+        f.seek(0)
+        actual, left = 0, length
+        while left:
+            chunk = f.read(min(_CHUNK, left))
+            if not chunk:
+                raise CorruptCheckpoint(path, "file ended early")
+            actual = zlib.crc32(chunk, actual)
+            left -= len(chunk)
+    if actual != crc:
+        raise CorruptCheckpoint(path, f"checksum mismatch (crc32 {actual:08x}, footer says {crc:08x})")
+    return True
+
+
+def load_file(
+    path: str | os.PathLike,
+    map_location: Any = "cpu",
+    weights_only: bool = True,
+    verify: bool = True,
+    **kw: Any,
+) -> Any:
+    """Load a checkpoint with clear errors. Local, no collectives; :func:`ranksafe.load` is the collective.
+
+    ``weights_only=True`` by default: a file holding arbitrary pickled objects raises
+    :class:`UntrustedCheckpoint` unless the caller opts in. Truncated, bit-flipped or foreign files raise
+    :class:`CorruptCheckpoint` naming the path.
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{path} is a directory, not a checkpoint file")
+    if verify:
+        verify_file(path)
+    try:
+        return torch.load(path, map_location=map_location, weights_only=weights_only, **kw)
+    except pickle.UnpicklingError as e:
+        if weights_only and "Weights only load failed" in str(e):
+            if _is_zip(path):
+                raise UntrustedCheckpoint(path, str(e).splitlines()[-1][:200]) from e
+            raise CorruptCheckpoint(path, "not a torch checkpoint") from e
+        raise CorruptCheckpoint(path, f"{type(e).__name__}: {e}") from e
+    except (FileNotFoundError, IsADirectoryError, PermissionError):
+        raise
+    except (RuntimeError, EOFError, ValueError, UnicodeDecodeError, KeyError, OSError) as e:
+        raise CorruptCheckpoint(path, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}") from e
+
+
+def _is_zip(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == _ZIP_START

@@ -1,0 +1,105 @@
+"""Collective save, load and directory preparation: the three calls most training scripts need.
+
+Each is called by every rank. One writer acts, the outcome is shared, and every rank returns or raises
+the same way, so no rank can run ahead into a collective the others never reach.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any, Literal
+
+from . import topology
+from .collectives import barrier, together
+from .files import atomic_save, load_file
+
+Writer = Literal["main", "local", "all"]
+
+
+def is_writer(writer: Writer = "main") -> bool:
+    """Whether this rank writes under the ``writer`` policy.
+
+    ``main``: global rank 0 (storage every rank shares); ``local``: local rank 0 of each node (node-local
+    disks); ``all``: every rank (per-rank files, such as sharded state).
+    """
+    if writer == "main":
+        return topology.is_main()
+    if writer == "local":
+        return topology.is_local_main()
+    if writer == "all":
+        return True
+    raise ValueError(f"writer must be 'main', 'local' or 'all', not {writer!r}")
+
+
+def _where(path: str) -> str:
+    return f"{path} (rank {topology.rank()})"
+
+
+def _naming(e: OSError, action: str, path: str) -> OSError:
+    """The same kind of OSError, with a message that names the target (not a temporary) and the rank."""
+    msg = f"{action} {_where(path)}: {e.strerror or e}"
+    return type(e)(e.errno, msg) if e.errno is not None else type(e)(msg)
+
+
+def save(obj: Any, path: str | os.PathLike, writer: Writer = "main", **torch_save_kwargs: Any) -> str:
+    """Save ``obj`` to ``path`` from the writer rank(s), atomically; collective.
+
+    The writer creates the parent directory and commits the file atomically; non-writers touch no file.
+    A failed write raises :class:`RankFailure` on every rank (also an instance of the original error type
+    when it is a built-in one, e.g. ``PermissionError``). Returns the path on every rank.
+    """
+    path = os.fspath(path)
+    with together(f"save {path}"):
+        if is_writer(writer):
+            try:
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+                atomic_save(obj, path, **torch_save_kwargs)
+            except OSError as e:
+                raise _naming(e, "cannot save", path) from e
+    return path
+
+
+def load(
+    path: str | os.PathLike,
+    map_location: Any = "cpu",
+    weights_only: bool = True,
+    verify: bool = True,
+    **kw: Any,
+) -> Any:
+    """Load ``path`` on every rank once every rank has arrived; collective.
+
+    The barrier inside means no rank reads before the writer committed (the writer reaches ``load``
+    only after its save returned). A missing, truncated or corrupt file raises the same error on every
+    rank (``FileNotFoundError``, :class:`CorruptCheckpoint`, ...), naming the path and the ranks, even
+    when only some ranks could not read it.
+    """
+    path = os.fspath(path)
+    barrier(f"load {path}")
+    result = None
+    with together(f"load {path}"):
+        try:
+            result = load_file(path, map_location=map_location, weights_only=weights_only, verify=verify, **kw)
+        except OSError as e:
+            raise _naming(e, "cannot load", path) from e
+    return result
+
+
+def prepare_dir(path: str | os.PathLike, overwrite: bool = False, writer: Writer = "main") -> str:
+    """Create ``path`` for a run's outputs without races; collective.
+
+    Only the writer looks at the directory (once: on NFS other ranks' caches can disagree), removes it when
+    ``overwrite`` is set, and creates it. A non-empty directory without ``overwrite`` raises
+    ``FileExistsError`` on every rank. All ranks return together, after the directory exists.
+    """
+    path = os.fspath(path)
+    with together(f"prepare_dir {path}"):
+        if is_writer(writer):
+            if os.path.isdir(path) and os.listdir(path):
+                if not overwrite:
+                    raise FileExistsError(f"{_where(path)} exists and is not empty; pass overwrite=True to replace it")
+                shutil.rmtree(path)
+            elif os.path.exists(path) and not os.path.isdir(path):
+                raise NotADirectoryError(f"{_where(path)} exists and is not a directory")
+            os.makedirs(path, exist_ok=True)
+    return path

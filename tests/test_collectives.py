@@ -1,0 +1,188 @@
+"""Collectives on real ranks: agreement, shared failures, timeouts that name the missing ranks."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import ranksafe
+from ranksafe import collectives
+from tests.ranks import run_ranks
+
+
+def _agree_all_ops(rank):
+    value = [3.0, 1.0, 2.0][rank]
+    flag = rank == 1
+    out = {op: ranksafe.agree(value, op) for op in ("max", "min", "sum", "mean", "main")}
+    out["all"] = ranksafe.agree(flag, "all")
+    out["any"] = ranksafe.agree(flag, "any")
+    out["nan_max"] = ranksafe.agree(math.nan if rank == 2 else float(rank), "max")
+    out["bcast"] = ranksafe.broadcast({"from": rank}, src=1)
+    out["gather"] = ranksafe.all_gather(rank * 10)
+    return out
+
+
+def test_agree_gives_every_rank_the_same_answer_from_different_values():
+    values = run_ranks(_agree_all_ops, 3).values
+    for v in values:
+        assert (v["max"], v["min"], v["sum"], v["mean"], v["main"]) == (3.0, 1.0, 6.0, 2.0, 3.0)
+        assert (v["all"], v["any"]) == (False, True)
+        assert math.isnan(v["nan_max"])  # a NaN anywhere wins everywhere, whatever its position
+        assert v["bcast"] == {"from": 1}
+        assert v["gather"] == [0, 10, 20]
+
+
+def _rank1_raises(rank):
+    start = time.monotonic()
+    try:
+        with ranksafe.together("step"):
+            if rank == 1:
+                raise ValueError("bad batch on rank 1")
+    except ranksafe.RankFailure as e:
+        cause = type(e.__cause__).__name__ if e.__cause__ else None
+        return {
+            "ranks": e.ranks, "isvalue": isinstance(e, ValueError), "msg": str(e), "cause": cause,
+            "seconds": time.monotonic() - start,
+        }  # fmt: skip
+    return "no error"
+
+
+def test_together_raises_on_every_rank_within_seconds():
+    values = run_ranks(_rank1_raises, 3).values
+    for rank, v in enumerate(values):
+        assert v != "no error", f"rank {rank} did not raise"
+        assert v["ranks"] == [1]
+        assert v["isvalue"], "a built-in error type is preserved on every rank"
+        assert "bad batch on rank 1" in v["msg"]
+        assert v["seconds"] < 5
+    assert values[1]["cause"] == "ValueError"  # the failing rank chains its original exception
+    assert values[0]["cause"] is None
+
+
+def _count_exchanges(rank):
+    ranksafe.barrier("warm")
+    before = collectives._session.seq
+    with ranksafe.together("quiet"):
+        pass
+    return collectives._session.seq - before
+
+
+def test_together_costs_one_exchange_when_nothing_fails():
+    assert run_ranks(_count_exchanges, 2).values == [1, 1]
+
+
+def _late_rank(rank, missing):
+    start = time.monotonic()
+    if rank == missing:
+        time.sleep(6)
+        return "slept"
+    try:
+        ranksafe.barrier("sync", timeout=2)
+    except ranksafe.BarrierTimeout as e:
+        return {"missing": e.missing, "seconds": time.monotonic() - start, "msg": str(e)}
+    return "passed"
+
+
+def test_barrier_timeout_names_the_missing_rank():
+    for missing in (1, 0):  # a missing worker, and a missing main (which collects the arrivals)
+        res = run_ranks(_late_rank, 3, args=(missing,))
+        for r in range(3):
+            if r == missing:
+                continue
+            v = res[r].value
+            assert isinstance(v, dict), f"rank {r}: {res[r].error or v}"
+            assert v["missing"] == [missing]
+            assert v["seconds"] < 2 + 2
+            assert f"rank(s) {missing}" in v["msg"]
+
+
+def _dies(rank):
+    if rank == 1:
+        os._exit(3)
+    start = time.monotonic()
+    try:
+        ranksafe.barrier("after crash", timeout=3)
+    except ranksafe.BarrierTimeout as e:
+        return e.missing, time.monotonic() - start
+    return "passed"
+
+
+def test_a_dead_rank_becomes_a_timeout_naming_it():
+    res = run_ranks(_dies, 2)
+    assert res[1].exitcode == 3
+    missing, seconds = res[0].value
+    assert missing == [1] and seconds < 5
+
+
+def _diverged(rank):
+    try:
+        if rank == 0:
+            ranksafe.barrier("save")
+        else:
+            ranksafe.agree(True, name="is new best")
+    except ranksafe.CollectiveMismatch as e:
+        return str(e)
+    return "no error"
+
+
+def test_ranks_in_different_collectives_get_a_mismatch_not_a_hang():
+    res = run_ranks(_diverged, 2, timeout=60)
+    for msg in res.values:
+        assert "barrier:save" in msg and "is new best" in msg
+
+
+def _main_first(rank, fail_on_main, path):
+    ran = False
+    try:
+        with ranksafe.main_first("prep"):
+            ran = True
+            if rank == 0:
+                time.sleep(0.5)
+                if fail_on_main:
+                    raise OSError("download failed")
+            with open(path, "a") as f:
+                f.write(f"{rank}\n")
+    except ranksafe.RankFailure as e:
+        return {"ran": ran, "error": str(e)}
+    return {"ran": ran, "error": None}
+
+
+def test_main_first_runs_main_before_the_others(tmp_path):
+    log = tmp_path / "order"
+    values = run_ranks(_main_first, 3, args=(False, str(log))).values
+    assert all(v == {"ran": True, "error": None} for v in values)
+    assert log.read_text().split()[0] == "0"  # main wrote first although it slept
+
+
+def test_main_first_failure_on_main_stops_the_others(tmp_path):
+    values = run_ranks(_main_first, 3, args=(True, str(tmp_path / "order"))).values
+    assert values[0]["ran"] and not values[1]["ran"] and not values[2]["ran"]
+    for v in values:
+        assert "rank 0" in v["error"] and "download failed" in v["error"]
+
+
+def test_single_process_collectives_are_local(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(var, raising=False)
+    assert ranksafe.agree(2.5, "max") == 2.5
+    assert ranksafe.broadcast("x") == "x"
+    ranksafe.barrier()
+    try:
+        with ranksafe.together("one"):
+            raise KeyError("k")
+    except KeyError as e:  # one process: the original error, unchanged
+        assert e.args == ("k",)
+    else:
+        raise AssertionError("together swallowed the error")
+
+
+def test_launcher_without_process_group_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "1")
+    try:
+        ranksafe.barrier()
+    except RuntimeError as e:
+        assert "init_process_group" in str(e)
+    else:
+        raise AssertionError("barrier passed without a process group")

@@ -1,0 +1,217 @@
+"""Local file layer: atomic commit, integrity footer, clear errors for bad input. One process."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import ranksafe
+from ranksafe.files import TMP_SUFFIX, _host_tag, clean_orphans
+
+
+def _state(scale: float = 1.0) -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(64, 32, generator=g) * scale, "step": torch.tensor(7)}
+
+
+def _debris(directory) -> list[str]:
+    return [n for n in os.listdir(directory) if n.endswith(TMP_SUFFIX)]
+
+
+def test_atomic_save_round_trip_and_stock_torch_load(tmp_path):
+    path = tmp_path / "model.pth"
+    ranksafe.atomic_save(_state(), path)
+    assert ranksafe.verify_file(path) is True
+    assert torch.equal(ranksafe.load_file(path)["w"], _state()["w"])
+    assert torch.equal(torch.load(path, weights_only=True)["w"], _state()["w"])  # stock torch still reads it
+    assert _debris(tmp_path) == []
+
+
+def test_published_file_gets_the_usual_permissions(tmp_path):
+    old = os.umask(0o027)
+    try:
+        ranksafe.atomic_save(_state(), tmp_path / "a.pth")
+    finally:
+        os.umask(old)
+    assert oct(os.stat(tmp_path / "a.pth").st_mode & 0o777) == oct(0o640)  # not mkstemp's 0600
+
+
+def test_exception_inside_atomic_write_leaves_target_untouched(tmp_path):
+    path = tmp_path / "log.csv"
+    path.write_text("committed\n")
+    with pytest.raises(ZeroDivisionError), ranksafe.atomic_write(path, "w") as f:
+        f.write("partial")
+        raise ZeroDivisionError
+    assert path.read_text() == "committed\n"
+    assert _debris(tmp_path) == []
+
+
+def test_bit_flip_is_detected_though_torch_load_accepts_it(tmp_path):
+    path = tmp_path / "m.pth"
+    ranksafe.atomic_save(_state(), path)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(data)
+    stock = torch.load(path, weights_only=True)  # the control: stock loading silently returns wrong values
+    assert not torch.equal(stock["w"], _state()["w"])
+    with pytest.raises(ranksafe.CorruptCheckpoint, match="checksum mismatch") as e:
+        ranksafe.load_file(path)
+    assert e.value.path == str(path)
+
+
+@pytest.mark.parametrize("cut", [1, 100, 0.5])
+def test_truncated_file_is_corrupt_and_named(tmp_path, cut):
+    path = tmp_path / "m.pth"
+    ranksafe.atomic_save(_state(), path)
+    data = path.read_bytes()
+    keep = int(len(data) * cut) if isinstance(cut, float) else len(data) - cut
+    path.write_bytes(data[:keep])
+    with pytest.raises(ranksafe.CorruptCheckpoint, match=re.escape(str(path))):
+        ranksafe.load_file(path)
+
+
+def test_stock_file_truncated_is_corrupt(tmp_path):
+    path = tmp_path / "stock.pth"
+    torch.save(_state(), path)
+    path.write_bytes(path.read_bytes()[:-50])
+    with pytest.raises(ranksafe.CorruptCheckpoint, match=r"stock\.pth"):
+        ranksafe.load_file(path)
+
+
+def test_empty_garbage_missing_and_directory(tmp_path):
+    (tmp_path / "empty.pth").write_bytes(b"")
+    (tmp_path / "junk.pth").write_bytes(b"not a checkpoint" * 10)
+    with pytest.raises(ranksafe.CorruptCheckpoint, match="empty"):
+        ranksafe.load_file(tmp_path / "empty.pth")
+    with pytest.raises(ranksafe.CorruptCheckpoint, match=r"junk\.pth"):
+        ranksafe.load_file(tmp_path / "junk.pth")
+    with pytest.raises(FileNotFoundError):
+        ranksafe.load_file(tmp_path / "missing.pth")
+    with pytest.raises(IsADirectoryError, match="is a directory"):
+        ranksafe.load_file(tmp_path)
+    with pytest.raises(IsADirectoryError):
+        ranksafe.atomic_save(_state(), tmp_path)
+
+
+def test_untrusted_pickle_needs_opt_in(tmp_path):
+    path = tmp_path / "obj.pkl"
+    ranksafe.atomic_save({"fn": os.path.join}, path)
+    with pytest.raises(ranksafe.UntrustedCheckpoint, match="weights_only=False"):
+        ranksafe.load_file(path)
+    assert ranksafe.load_file(path, weights_only=False)["fn"] is os.path.join
+
+
+def test_file_where_a_directory_must_go(tmp_path):
+    (tmp_path / "blocker").write_text("a file")
+    with pytest.raises(OSError, match="blocker"):  # FileExistsError from makedirs
+        ranksafe.save(_state(), tmp_path / "blocker" / "m.pth")
+
+
+def test_orphans_of_dead_writers_are_cleaned_live_ones_kept(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_tmp = tmp_path / f".m.pth.{_host_tag()}.{int(dead.stdout)}.abcd{TMP_SUFFIX}"
+    live_tmp = tmp_path / f".m.pth.{_host_tag()}.{os.getpid()}.ef01{TMP_SUFFIX}"
+    dead_tmp.write_bytes(b"x" * 100)
+    live_tmp.write_bytes(b"y")
+    assert clean_orphans(tmp_path, "m.pth") == [dead_tmp.name]
+    assert live_tmp.exists() and not dead_tmp.exists()
+
+
+_FSIZE_CHILD = textwrap.dedent(
+    """
+    import resource, sys, torch, ranksafe
+    resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[2]), resource.RLIM_INFINITY))
+    try:
+        ranksafe.atomic_save({"w": torch.zeros(1 << 20)}, sys.argv[1])
+    except OSError as e:
+        print("ERR", e.errno)
+    """
+)
+
+
+def test_file_too_large_keeps_the_committed_file(tmp_path):
+    path = tmp_path / "m.pth"
+    ranksafe.atomic_save(_state(), path)
+    before = path.read_bytes()
+    out = subprocess.run(
+        [sys.executable, "-c", _FSIZE_CHILD, str(path), str(256 * 1024)], capture_output=True, text=True, timeout=60
+    )
+    assert "ERR 27" in out.stdout, out.stderr  # EFBIG, even for root
+    assert path.read_bytes() == before
+    assert _debris(tmp_path) == []
+
+
+# --- SIGKILL during a save: the previous checkpoint survives ---------------------------------------------
+
+_KILL_CHILD = textwrap.dedent(
+    """
+    import sys, torch, ranksafe
+    path, mode, version = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    state = {"w": torch.full((50 * 1024 * 1024 // 4,), version)}  # ~200 MB
+    print("writing", flush=True)
+    if mode == "naive":
+        torch.save(state, path)
+    else:
+        ranksafe.atomic_save(state, path)
+    print("done", flush=True)
+    """
+)
+
+
+def _writing_size(path, mode: str) -> int:
+    """Size of the file a save is writing right now: the target itself (naive) or our temporary."""
+    names = [path.name] if mode == "naive" else [n for n in os.listdir(path.parent) if n.endswith(TMP_SUFFIX)]
+    for name in names:
+        try:
+            size = os.path.getsize(path.parent / name)
+        except FileNotFoundError:
+            continue
+        if mode != "naive" or size < (150 << 20):  # naive: the new write truncated the old file
+            return size
+    return 0
+
+
+def _kill_mid_save(path, mode: str, runs: int) -> int:
+    """Save version k over a committed version k-1, SIGKILL mid-write, count the saves that destroyed it."""
+    torn, committed = 0, 0.0
+    ranksafe.atomic_save({"w": torch.full((50 * 1024 * 1024 // 4,), committed)}, path)
+    for k in range(1, runs + 1):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _KILL_CHILD, str(path), mode, str(k)], stdout=subprocess.PIPE, text=True
+        )
+        assert proc.stdout.readline().strip() == "writing"
+        # kill while the bytes are going out: once the file being written has grown past 1 MiB
+        for _ in range(20000):
+            if _writing_size(path, mode) > (1 << 20) or proc.poll() is not None:
+                break
+        os.kill(proc.pid, 9)
+        proc.wait()
+        try:
+            w = torch.load(path, weights_only=True)["w"]
+            intact = float(w[-1]) in (committed, k) and bool(torch.all(w == w[-1]))
+        except Exception:  # missing, truncated, unreadable
+            intact = False
+        if intact:
+            committed = float(w[-1])
+        else:
+            torn += 1
+            committed = float(k)
+            ranksafe.atomic_save({"w": torch.full((50 * 1024 * 1024 // 4,), committed)}, path)
+    return torn
+
+
+def test_sigkill_mid_save_naive_tears_ours_never(tmp_path):
+    naive_torn = _kill_mid_save(tmp_path / "naive.pth", "naive", 5)
+    ours_torn = _kill_mid_save(tmp_path / "ours.pth", "ours", 10)
+    print(f"SIGKILL mid-save: naive torch.save destroyed the checkpoint {naive_torn}/5, ranksafe {ours_torn}/10")
+    assert naive_torn >= 1, "the control must show the naive pattern tearing the file"
+    assert ours_torn == 0
+    assert len(_debris(tmp_path)) >= 1  # killed writers left temporaries ...
+    ranksafe.atomic_save({"w": torch.zeros(4)}, tmp_path / "ours.pth")
+    assert [n for n in _debris(tmp_path) if n.startswith(".ours")] == []  # ... the next save removed them
