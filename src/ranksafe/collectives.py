@@ -118,7 +118,10 @@ def _get_session(timeout: float | None) -> _Session | None:
         return _session
 
 
-def _exchange_in(s: _Session, name: str, value: Any, reduce: Callable[[list], Any], timeout: float | None):
+def _exchange_in(
+    s: _Session, name: str, value: Any, reduce: Callable[[list], Any], timeout: float | None, what: str | None = None
+):
+    what = what or name
     timeout = default_timeout() if timeout is None else float(timeout)
     with s.lock:
         s.seq += 1
@@ -135,7 +138,7 @@ def _exchange_in(s: _Session, name: str, value: Any, reduce: Callable[[list], An
                     for k in [*old_keys, old_result, old_read]:
                         s.store.delete_key(k)
             else:
-                result = _await_result(s, name, rank_keys, result_key, timeout)
+                result = _await_result(s, what, rank_keys, result_key, timeout)
                 s.store.add(read_key, 1)
         except dist.DistError as e:
             raise RankFailure(
@@ -146,12 +149,12 @@ def _exchange_in(s: _Session, name: str, value: Any, reduce: Callable[[list], An
     if kind == "ok":
         return payload
     if kind == "timeout":
-        raise BarrierTimeout(name, payload, timeout)
+        raise BarrierTimeout(what, payload, timeout)
     if kind == "mismatch":
         raise CollectiveMismatch(
-            name, [Failure(r, "ranksafe.CollectiveMismatch", f"was in {n!r}") for r, n in payload.items()]
+            what, [Failure(r, "ranksafe.CollectiveMismatch", f"was in {n!r}") for r, n in payload.items()]
         )
-    raise rank_failure(name, [payload])
+    raise rank_failure(what, [payload])
 
 
 def _collect(s: _Session, name: str, rank_keys: list[str], reduce, timeout: float):
@@ -169,29 +172,33 @@ def _collect(s: _Session, name: str, rank_keys: list[str], reduce, timeout: floa
         return "error", Failure.from_exception(0, e)
 
 
-def _await_result(s: _Session, name: str, rank_keys: list[str], result_key: str, timeout: float):
+def _await_result(s: _Session, what: str, rank_keys: list[str], result_key: str, timeout: float):
     try:
         s.store.wait([result_key], timedelta(seconds=timeout + _GRACE))
     except dist.DistStoreError:
         missing = [r for r, k in enumerate(rank_keys) if not s.store.check([k])]
-        raise BarrierTimeout(name, missing or [0], timeout) from None
+        raise BarrierTimeout(what, missing or [0], timeout) from None
     return pickle.loads(s.store.get(result_key))
 
 
-def exchange(name: str, value: Any, reduce: Callable[[list], T], timeout: float | None = None) -> T:
+def exchange(
+    name: str, value: Any, reduce: Callable[[list], T], timeout: float | None = None, what: str | None = None
+) -> T:
     """Post ``value``, get ``reduce(values of all ranks in rank order)`` back on every rank.
 
-    The primitive under every ranksafe collective; ``name`` must be the same on all ranks at this call.
+    The primitive under every ranksafe collective. ``name`` says which collective this is and must be the
+    same on all ranks at this call (else :class:`CollectiveMismatch`); ``what`` (default: ``name``) is
+    the rank's own description for error messages, and may differ per rank (a per-rank path, say).
     """
     s = _get_session(timeout)
     if s is None:
         return reduce([value])
-    return _exchange_in(s, name, value, reduce, timeout)
+    return _exchange_in(s, name, value, reduce, timeout, what)
 
 
-def barrier(name: str = "", timeout: float | None = None) -> None:
+def barrier(name: str = "", timeout: float | None = None, what: str | None = None) -> None:
     """Wait until every rank arrives; raise :class:`BarrierTimeout` naming the missing ranks otherwise."""
-    exchange(f"barrier:{name}", None, lambda _: None, timeout)
+    exchange(f"barrier:{name}", None, lambda _: None, timeout, what)
 
 
 def _nan_aware(fn: Callable[[list], Any]) -> Callable[[list], Any]:
@@ -244,19 +251,19 @@ def _failures(outcomes: Sequence[Failure | None]) -> list[Failure]:
     return [f for f in outcomes if f is not None]
 
 
-def share_outcome(name: str, exc: BaseException | None, timeout: float | None = None) -> None:
+def share_outcome(name: str, exc: BaseException | None, timeout: float | None = None, what: str | None = None) -> None:
     """Tell every rank whether this rank failed; raise :class:`RankFailure` everywhere if any did.
 
     The failing rank's own exception is chained as the cause. In a single process the original
     exception is re-raised unchanged.
     """
     mine = None if exc is None else Failure.from_exception(topology.rank(), exc)
-    failures = exchange(f"outcome:{name}", mine, _failures, timeout)
+    failures = exchange(f"outcome:{name}", mine, _failures, timeout, what)
     if not failures:
         return
     if exc is not None and topology.world_size() == 1:
         raise exc
-    raise rank_failure(name, failures) from exc
+    raise rank_failure(what or name, failures) from exc
 
 
 class together:
@@ -267,15 +274,16 @@ class together:
     next collective.
     """
 
-    def __init__(self, name: str = "together", timeout: float | None = None):
+    def __init__(self, name: str = "together", timeout: float | None = None, what: str | None = None):
         self.name = name
         self.timeout = timeout
+        self.what = what
 
     def __enter__(self) -> together:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        share_outcome(self.name, exc, self.timeout)
+        share_outcome(self.name, exc, self.timeout, self.what)
         return False
 
 

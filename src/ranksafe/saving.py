@@ -50,7 +50,7 @@ def save(obj: Any, path: str | os.PathLike, writer: Writer = "main", **torch_sav
     when it is a built-in one, e.g. ``PermissionError``). Returns the path on every rank.
     """
     path = os.fspath(path)
-    with together(f"save {path}"):
+    with together("save", what=f"save {path}"):
         if is_writer(writer):
             try:
                 os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -75,9 +75,9 @@ def load(
     when only some ranks could not read it.
     """
     path = os.fspath(path)
-    barrier(f"load {path}")
+    barrier("load", what=f"load {path}")
     result = None
-    with together(f"load {path}"):
+    with together("load", what=f"load {path}"):
         try:
             result = load_file(path, map_location=map_location, weights_only=weights_only, verify=verify, **kw)
         except OSError as e:
@@ -93,7 +93,7 @@ def prepare_dir(path: str | os.PathLike, overwrite: bool = False, writer: Writer
     ``FileExistsError`` on every rank. All ranks return together, after the directory exists.
     """
     path = os.fspath(path)
-    with together(f"prepare_dir {path}"):
+    with together("prepare_dir", what=f"prepare_dir {path}"):
         if is_writer(writer):
             if os.path.isdir(path) and os.listdir(path):
                 if not overwrite:

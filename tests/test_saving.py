@@ -1,0 +1,179 @@
+"""Collective save, load and prepare_dir on real ranks."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import torch
+import torch.distributed as dist
+
+import ranksafe
+from ranksafe import saving
+from tests.ranks import run_ranks
+
+# --- overwrite race: every rank rmtree + mkdir, versus prepare_dir -------------------------------------
+
+
+def _naive_prepare(path: str, exist_ok: bool) -> None:
+    """The pattern found in the field: every rank clears and recreates the run directory."""
+    if os.path.exists(path):
+        shutil.rmtree(path)
+    time.sleep(0.01)  # widen the window between the check and the creation, as a busy NFS does
+    os.makedirs(path, exist_ok=exist_ok)
+
+
+def _race(rank, root, pattern, attempts):
+    errors = lost = 0
+    for i in range(attempts):
+        run_dir = os.path.join(root, "run")
+        try:
+            if pattern == "ranksafe":
+                ranksafe.prepare_dir(run_dir, overwrite=True)
+            else:
+                _naive_prepare(run_dir, exist_ok=pattern == "naive_exist_ok")
+            with open(os.path.join(run_dir, f"rank{rank}.txt"), "w") as f:
+                f.write(str(i))
+        except OSError:
+            errors += 1
+        dist.barrier()
+        if rank == 0:  # every rank's file of this attempt must have survived the others' preparation
+            present = os.listdir(run_dir) if os.path.isdir(run_dir) else []
+            lost += sum(f"rank{r}.txt" not in present for r in range(dist.get_world_size()))
+        dist.barrier()
+    return errors, lost
+
+
+def test_overwrite_race_naive_fails_prepare_dir_never(tmp_path):
+    counts = {}
+    for pattern in ("naive", "naive_exist_ok", "ranksafe"):
+        root = tmp_path / pattern
+        root.mkdir()
+        values = run_ranks(_race, 4, args=(str(root), pattern, 30), timeout=180).values
+        counts[pattern] = (sum(e for e, _ in values), values[0][1])
+    print("4 ranks x 30 attempts, (errors, lost files):", counts)
+    assert counts["naive"][0] > 0, "the control must show the naive pattern failing"
+    assert sum(counts["naive_exist_ok"]) > 0, "exist_ok=True must still lose files or fail"
+    assert counts["ranksafe"] == (0, 0)
+
+
+# --- one writer, true ranks without RANK ------------------------------------------------------------
+
+
+def _who_writes(rank, path, log):
+    before = saving.atomic_save
+
+    def logged(obj, p, **kw):
+        with open(log, "a") as f:
+            f.write(f"{rank}\n")
+        return before(obj, p, **kw)
+
+    saving.atomic_save = logged
+    ranksafe.save({"w": torch.full((4,), float(rank))}, path)
+    loaded = ranksafe.load(path)
+    return {
+        "env_rank": os.environ.get("RANK"), "rank": ranksafe.rank(), "local": ranksafe.local_rank(),
+        "world": ranksafe.world_size(), "main": ranksafe.is_main(), "w": loaded["w"].tolist(),
+    }  # fmt: skip
+
+
+def test_spawned_ranks_without_rank_variable_know_their_rank_and_one_writes(tmp_path):
+    log = tmp_path / "writers.log"
+    values = run_ranks(_who_writes, 3, args=(str(tmp_path / "ck" / "m.pth"), str(log))).values
+    assert [v["env_rank"] for v in values] == [None, None, None]  # like mp.spawn: no launcher variables
+    assert [v["rank"] for v in values] == [0, 1, 2]
+    assert [v["local"] for v in values] == [0, 1, 2]  # one host: learned from the host-name exchange
+    assert [v["main"] for v in values] == [True, False, False]
+    assert log.read_text().split() == ["0"]  # exactly one writer
+    assert all(v["w"] == [0.0] * 4 for v in values)  # every rank loads the writer's tensors
+
+
+def test_torchrun_style_environment(tmp_path):
+    log = tmp_path / "writers.log"
+    values = run_ranks(_who_writes, 2, args=(str(tmp_path / "m.pth"), str(log)), launch_env=True).values
+    assert [(v["env_rank"], v["rank"], v["world"]) for v in values] == [("0", 0, 2), ("1", 1, 2)]
+    assert log.read_text().split() == ["0"]
+
+
+# --- failures are loud and shared -------------------------------------------------------------------
+
+
+def _load_outcome(rank, path, per_rank):
+    target = path.format(rank=rank) if per_rank else path
+    start = time.monotonic()
+    try:
+        ranksafe.load(target)
+    except ranksafe.RankFailure as e:
+        return {
+            "types": [t.__name__ for t in type(e).__mro__], "msg": str(e), "ranks": e.ranks,
+            "seconds": time.monotonic() - start,
+        }  # fmt: skip
+    return "loaded"
+
+
+def test_missing_file_raises_on_every_rank_naming_path_and_rank(tmp_path):
+    path = str(tmp_path / "nothing.pth")
+    values = run_ranks(_load_outcome, 2, args=(path, False)).values
+    for v in values:
+        assert "FileNotFoundError" in v["types"]
+        assert path in v["msg"] and "rank 0" in v["msg"] and "rank 1" in v["msg"]
+
+
+def test_file_missing_on_one_rank_only_fails_all_ranks(tmp_path):
+    # node-local disks: rank 0 has the file, rank 1 does not; rank 0 must not run ahead alone
+    ranksafe.atomic_save({"w": torch.ones(2)}, tmp_path / "r0.pth")
+    values = run_ranks(_load_outcome, 2, args=(str(tmp_path / "r{rank}.pth"), True)).values
+    for v in values:
+        assert v != "loaded"
+        assert v["ranks"] == [1] and "FileNotFoundError" in v["types"] and "r1.pth" in v["msg"]
+
+
+def test_corrupt_and_truncated_files_raise_on_every_rank(tmp_path):
+    ranksafe.atomic_save({"w": torch.randn(1000)}, tmp_path / "flip.pth")
+    data = bytearray((tmp_path / "flip.pth").read_bytes())
+    data[len(data) // 2] ^= 0x10
+    (tmp_path / "flip.pth").write_bytes(data)
+    (tmp_path / "cut.pth").write_bytes(bytes(data[: len(data) // 3]))
+    for name in ("flip.pth", "cut.pth"):
+        values = run_ranks(_load_outcome, 2, args=(str(tmp_path / name), False)).values
+        for v in values:
+            assert "CorruptCheckpoint" in v["types"] and name in v["msg"], v
+
+
+def _failing_save(rank, path, blocker):
+    ranksafe.save({"v": torch.tensor(1.0)}, path)  # committed
+    start = time.monotonic()
+    try:
+        ranksafe.save({"v": torch.tensor(2.0)}, blocker)  # parent is a file: fails on the writer only
+    except ranksafe.RankFailure as e:
+        outcome = {"types": [t.__name__ for t in type(e).__mro__], "msg": str(e), "seconds": time.monotonic() - start}
+    else:
+        outcome = "saved"
+    return outcome, float(ranksafe.load(path)["v"])
+
+
+def test_failed_write_raises_on_every_rank_and_keeps_the_committed_file(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    res = run_ranks(_failing_save, 2, args=(str(tmp_path / "m.pth"), str(tmp_path / "file" / "m.pth"))).values
+    for outcome, committed in res:
+        assert outcome != "saved"
+        assert "rank 0" in outcome["msg"] and "file/m.pth" in outcome["msg"]
+        assert outcome["seconds"] < 5
+        assert committed == 1.0
+
+
+def _prepare_non_empty(rank, path):
+    try:
+        ranksafe.prepare_dir(path)
+    except FileExistsError as e:
+        return str(e)
+    return "prepared"
+
+
+def test_prepare_dir_refuses_a_non_empty_dir_on_every_rank(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "keep.pth").write_text("old results")
+    values = run_ranks(_prepare_non_empty, 2, args=(str(tmp_path / "run"),)).values
+    assert all("overwrite=True" in v for v in values)
+    assert (tmp_path / "run" / "keep.pth").read_text() == "old results"
