@@ -1,0 +1,228 @@
+"""Checkpoints written in the background: the caller is blocked only while a snapshot is taken.
+
+:class:`AsyncSaver` snapshots the state into reusable staging buffers (under the read side of a
+:class:`~ranksafe.snapshot.StateDictLock`, so never mid-step) and hands the snapshot to a writer thread that
+commits it with the same atomic protocol as a synchronous save (:func:`ranksafe.files.atomic_save`).
+
+Failures travel like every ranksafe failure: the background thread records its exception, and
+:meth:`AsyncSaver.check` (one exchange, called by every rank, e.g. once per training step) raises the same
+:class:`~ranksafe.RankFailure` on every rank. The background thread itself never runs a collective: it
+would race the training thread's collectives for the shared sequence.
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import os
+import shutil
+import sys
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+
+from . import topology
+from .collectives import share_outcome, together
+from .files import atomic_save
+from .saving import Writer, is_writer
+from .snapshot import StagingBuffers, StateDictLock
+
+Policy = Literal["wait", "skip"]
+OnCommit = Callable[[Any], None]
+
+_live: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()
+
+
+class AsyncSaver:
+    """Save checkpoints from a background thread; at most one write in flight.
+
+    Args:
+        lock: the :class:`StateDictLock` the training loop holds (write side) around the optimizer step;
+            snapshots take its read side. ``None``: snapshots take no lock (the caller guarantees no
+            concurrent step, e.g. it saves from the training thread between steps).
+        policy: what :meth:`save` does when the previous write is still running. ``"wait"`` blocks until
+            it is committed, then snapshots (no checkpoint is ever dropped); ``"skip"`` returns ``False``
+            at once and saves nothing (training never waits on the disk; a checkpoint may be dropped).
+        on_commit: called on the writer thread after every successful commit, with the committed path
+            (:meth:`save`) or the value ``write_fn`` returned (:meth:`submit`). Delete older checkpoints
+            here, never before: the previous checkpoint must survive until the new one is committed.
+        writer: which ranks write (``"main"``, ``"local"``, ``"all"``, as :func:`ranksafe.save`). Every
+            rank may call :meth:`save`; on the others it does nothing.
+        name: names the collectives of this saver (every rank must use the same).
+
+    Local calls (any rank, any time): :meth:`save`, :meth:`submit`, :meth:`wait`, :attr:`failed`.
+    Collectives (every rank, same order): :meth:`warmup`, :meth:`check`, :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        lock: StateDictLock | None = None,
+        policy: Policy = "wait",
+        on_commit: OnCommit | None = None,
+        writer: Writer = "main",
+        name: str = "async save",
+    ) -> None:
+        if policy not in ("wait", "skip"):
+            raise ValueError(f"policy must be 'wait' or 'skip', not {policy!r}")
+        is_writer(writer)  # validates the name
+        self.lock = lock
+        self.policy = policy
+        self.on_commit = on_commit
+        self.writer = writer
+        self.name = name
+        self.staging = StagingBuffers()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._submitting = threading.Lock()  # one snapshot at a time, whatever the calling thread
+        _live.add(self)
+
+    # -- local ---------------------------------------------------------------------------------------
+    @property
+    def failed(self) -> bool:
+        """Whether a background write (or a snapshot) failed and :meth:`check` has not reported it yet. Local."""
+        return self._error is not None
+
+    @property
+    def error(self) -> BaseException | None:
+        """The unreported failure of this rank, if any."""
+        return self._error
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a write is running now."""
+        t = self._thread
+        return t is not None and t.is_alive()
+
+    def save(self, state: Any, path: str | os.PathLike, on_commit: OnCommit | None = None, **torch_save_kwargs) -> bool:
+        """Snapshot ``state`` and write it to ``path`` in the background, atomically. Local.
+
+        Returns once the snapshot is taken: ``True`` when this rank queued a write, ``False`` when it is
+        not a writer or the ``"skip"`` policy dropped this checkpoint. The answer is this rank's only:
+        never branch into a collective on it. The parent directory is created if needed.
+        """
+        path = os.fspath(path)
+
+        def write(snapshot: Any) -> str:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            return atomic_save(snapshot, path, **torch_save_kwargs)
+
+        return self.submit(state, write, on_commit)
+
+    def submit(self, state: Any, write_fn: Callable[[Any], Any], on_commit: OnCommit | None = None) -> bool:
+        """Snapshot ``state``, then call ``write_fn(snapshot)`` in the background. Local.
+
+        For writers other than one file (a step directory with a commit marker): ``write_fn`` must commit
+        atomically itself. Its return value goes to ``on_commit``. Same return value as :meth:`save`.
+        """
+        if not is_writer(self.writer):
+            return False
+        with self._submitting:
+            if self.in_flight:
+                if self.policy == "skip":
+                    return False
+                self._thread.join()  # type: ignore[union-attr]
+            try:
+                if self.lock is None:
+                    snapshot = self.staging.take(state)
+                else:
+                    with self.lock.read():
+                        snapshot = self.staging.take(state)
+            except Exception as e:  # reported on every rank by the next check(), like a failed write
+                self._record(e)
+                return False
+            callbacks = [cb for cb in (self.on_commit, on_commit) if cb is not None]
+            self._thread = threading.Thread(
+                target=self._write, args=(snapshot, write_fn, callbacks), name="ranksafe-async-save"
+            )
+            self._thread.start()
+            return True
+
+    def _write(self, snapshot: Any, write_fn: Callable[[Any], Any], callbacks: list[OnCommit]) -> None:
+        try:
+            result = write_fn(snapshot)
+            for cb in callbacks:
+                cb(result)
+        except BaseException as e:
+            self._record(e)
+
+    def _record(self, e: BaseException) -> None:
+        if self._error is None:  # the first failure is the cause; later ones usually follow from it
+            self._error = e
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the write in flight (if any) is committed or failed; False on timeout. Local.
+
+        Never raises the write's error: that is :meth:`check`'s job, on every rank at once.
+        """
+        t = self._thread
+        if t is not None:
+            t.join(timeout)
+        return not self.in_flight
+
+    # -- collectives ---------------------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise :class:`~ranksafe.RankFailure` on every rank if any rank's background work failed.
+
+        A collective costing one exchange: cheap enough for every training step. Each failure is
+        reported once. In a single process the original error is raised unchanged.
+        """
+        err, self._error = self._error, None
+        share_outcome(f"{self.name}: check", err)
+
+    def warmup(self, example_state: Any, directory: str | os.PathLike) -> None:
+        """Allocate the staging buffers and try a write in ``directory`` before training; collective.
+
+        A directory that cannot be created (a file in the way), a missing permission, or a disk without
+        room for one checkpoint fails here, on every rank, instead of at the first checkpoint.
+        """
+        directory = os.fspath(directory)
+        with together(f"{self.name}: warmup {directory}"):
+            if is_writer(self.writer):
+                self.wait()
+                with self._submitting:
+                    if self.lock is None:
+                        self.staging.take(example_state)
+                    else:
+                        with self.lock.read():
+                            self.staging.take(example_state)
+                try:
+                    os.makedirs(directory, exist_ok=True)
+                    probe = os.path.join(directory, f".ranksafe-warmup-{topology.rank()}")
+                    atomic_save(torch.zeros(1024), probe)
+                    os.unlink(probe)
+                    free = shutil.disk_usage(directory).free
+                except OSError as e:
+                    msg = f"cannot write checkpoints to {directory} (rank {topology.rank()}): {e.strerror or e}"
+                    raise type(e)(e.errno, msg) if e.errno is not None else type(e)(msg) from e
+                if free < self.staging.nbytes:
+                    raise OSError(
+                        errno.ENOSPC,
+                        f"{directory} (rank {topology.rank()}) has {free} bytes free, "
+                        f"one checkpoint needs {self.staging.nbytes}",
+                    )
+
+    def close(self) -> None:
+        """Wait for the write in flight, then :meth:`check`; collective. Call it at the end of training."""
+        self.wait()
+        self.check()
+
+    def __enter__(self) -> AsyncSaver:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is None:
+            self.close()
+        else:  # already failing: do not add a collective other ranks may never reach
+            self.wait()
+
+
+@atexit.register
+def _wait_at_exit() -> None:
+    """No checkpoint in flight is lost when the interpreter exits; an unreported failure is printed."""
+    for saver in list(_live):
+        saver.wait()
+        if saver.failed:
+            print(f"ranksafe: a background checkpoint write failed: {saver.error!r}", file=sys.stderr)
