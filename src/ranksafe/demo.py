@@ -1,0 +1,135 @@
+"""``ranksafe demo``: a real multi-process CPU training that saves the naive way and the ranksafe way.
+
+Each rank trains a small DDP model, then every round
+1. *naive*: every rank clears the run directory and ``torch.save``s the weights, as many scripts do;
+2. *ranksafe*: ``prepare_dir`` + ``save`` + ``load``: one writer, atomic file, barrier inside load.
+Finally rank 0's write is made to fail, and we time how fast every rank hears about it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+
+def _naive_round(run_dir: str, state: dict) -> int:
+    """Every rank clears and recreates the directory and writes the same file. Returns errors seen."""
+    errors = 0
+    try:
+        if os.path.exists(run_dir):
+            shutil.rmtree(run_dir)
+        os.makedirs(run_dir)
+        torch.save(state, os.path.join(run_dir, "model.pth"))
+    except OSError:
+        errors += 1
+    dist.barrier()
+    try:
+        loaded = torch.load(os.path.join(run_dir, "model.pth"), weights_only=True)
+        errors += not all(torch.equal(loaded[k], v) for k, v in state.items())
+    except Exception:
+        errors += 1
+    dist.barrier()
+    return errors
+
+
+def _ranksafe_round(run_dir: str, state: dict) -> int:
+    import ranksafe
+
+    ranksafe.prepare_dir(run_dir, overwrite=True)
+    path = ranksafe.save(state, os.path.join(run_dir, "model.pth"))
+    loaded = ranksafe.load(path)
+    return int(not all(torch.equal(loaded[k], v) for k, v in state.items()))
+
+
+def _worker(rank: int, world: int, port: int, root: str, rounds: int, queue: Any) -> None:
+    import ranksafe
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.manual_seed(rank)  # different data per rank; DDP keeps the weights identical
+    model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for _ in range(20):
+        x = torch.randn(64, 32)
+        loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    state = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+
+    naive = sum(_naive_round(os.path.join(root, "naive"), state) for _ in range(rounds))
+    safe = sum(_ranksafe_round(os.path.join(root, "ranksafe"), state) for _ in range(rounds))
+
+    blocker = os.path.join(root, "blocker")
+    if rank == 0:
+        with open(blocker, "w") as f:
+            f.write("a file where a directory must go")
+    ranksafe.barrier("blocker ready")
+    start = time.monotonic()
+    try:
+        ranksafe.save(state, os.path.join(blocker, "model.pth"))
+        failure = "no error"
+    except ranksafe.RankFailure as e:
+        failure = f"{type(e).__name__} after {time.monotonic() - start:.3f}s: {e}"
+    report = {"rank": rank, "local_rank": ranksafe.local_rank(), "env_rank": os.environ.get("RANK")}
+    queue.put({**report, "loss": loss.item(), "naive": naive, "ranksafe": safe, "failure": failure})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(ranks: int = 4, rounds: int = 10, timeout: float = 180.0) -> int:
+    """Run the demo on ``ranks`` spawned CPU processes; print what happened. Returns an exit code."""
+    print(f"ranksafe demo: {ranks} processes (torch.multiprocessing spawn, gloo, CPU), {rounds} save rounds each\n")
+    with tempfile.TemporaryDirectory(prefix="ranksafe-demo-") as root:
+        ctx = mp.get_context("spawn")
+        queue = ctx.Queue()
+        port = _free_port()
+        procs = [ctx.Process(target=_worker, args=(r, ranks, port, root, rounds, queue)) for r in range(ranks)]
+        for p in procs:
+            p.start()
+        results, deadline = [], time.monotonic() + timeout
+        while len(results) < ranks and time.monotonic() < deadline:
+            try:
+                results.append(queue.get(timeout=1))
+            except Exception:
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    break
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+    if len(results) < ranks:
+        print(f"FAILED: only {len(results)} of {ranks} ranks reported (exit codes {[p.exitcode for p in procs]})")
+        return 1
+    results.sort(key=lambda r: r["rank"])
+    print(f"{'rank':>4} {'RANK env':>8} {'local':>5} {'loss':>8} {'naive errors':>12} {'ranksafe errors':>15}")
+    for r in results:
+        env_rank = r["env_rank"] or "-"
+        print(
+            f"{r['rank']:>4} {env_rank:>8} {r['local_rank']:>5} {r['loss']:>8.3f} {r['naive']:>12} {r['ranksafe']:>15}"
+        )
+    naive, safe = sum(r["naive"] for r in results), sum(r["ranksafe"] for r in results)
+    total = ranks * rounds
+    print(f"\nnaive   (every rank: rmtree, mkdir, torch.save, torch.load): {naive} errors in {total} rank-rounds")
+    print(f"ranksafe (prepare_dir, save, load: one writer, atomic, barrier): {safe} errors in {total} rank-rounds")
+    print("\nA write that fails on rank 0 (a file where the directory must go), as seen by each rank:")
+    for r in results:
+        print(f"  rank {r['rank']}: {r['failure'][:160]}")
+    heard = sum(r["failure"].startswith("RankFailure") for r in results)
+    ok = safe == 0 and heard == ranks
+    print(f"\n{'OK' if ok else 'FAILED'}: ranksafe {safe} errors; failure raised on {heard}/{ranks} ranks, no hang")
+    return 0 if ok else 1
