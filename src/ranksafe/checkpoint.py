@@ -1,0 +1,469 @@
+"""Numbered step directories that appear complete or not at all, on every node: CheckpointManager.
+
+Layout::
+
+    root/step_00000010/state.pt        the state, written by the writer(s)
+    root/step_00000010/...             side files any rank wrote during the save (RNG, data loader, user files)
+    root/step_00000010/MANIFEST.json   every file with its size and CRC32; written last
+    root/.step_00000011.ranksafe-partial   a save in progress (or the debris of a crashed one)
+
+:class:`AtomicDir` is the one place that decides how a directory becomes visible (the directory analogue of
+:class:`ranksafe.files.AtomicFile`). :class:`CheckpointManager` decides who runs which step of it: every
+rank knows the temporary and final paths; the writer(s) chosen by :mod:`ranksafe.storage` create, commit
+and delete; every rank may write side files between create and commit. A save costs three exchanges
+whatever the world size, and ranks that write nothing make no file-system call.
+
+:func:`verify_step` and :func:`list_steps` read a root without collectives (for ``ranksafe verify`` /
+``ranksafe ls`` and for humans).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import time
+import warnings
+import zlib
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from . import topology
+from .collectives import exchange, together
+from .errors import CorruptCheckpoint, Failure, rank_failure
+from .files import TMP_SUFFIX, _ChecksummingWriter, atomic_write, fsync_dir, load_file
+from .storage import Placement, Storage, placement
+
+MANIFEST = "MANIFEST.json"
+STATE = "state.pt"
+FORMAT = "ranksafe-step/1"
+_CHUNK = 8 << 20
+
+Status = Literal["committed", "incomplete", "corrupt"]
+Entry = tuple[int, int]  # size, crc32
+
+
+def check_name(name: str, what: str = "name") -> str:
+    """Return ``name`` if it is one plain path component that stays inside its directory, else raise."""
+    if not isinstance(name, str) or not name or name in (".", "..") or name.startswith("."):
+        raise ValueError(f"{what} {name!r} must be a non-empty name that does not start with '.'")
+    if "/" in name or "\0" in name or (os.altsep and os.altsep in name) or os.sep in name:
+        raise ValueError(f"{what} {name!r} must not contain path separators")
+    return name
+
+
+def _check_step(step: Any) -> int:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, not {step!r}")
+    return step
+
+
+class AtomicDir:
+    """The commit protocol for a directory: temporary sibling, manifest written last, rename into place.
+
+    * ``AtomicDir(final)`` on every rank: both paths are derived from the final one, no file-system call;
+    * ``create()`` on the writer only: removes the debris of an earlier crashed attempt, makes the temporary;
+    * every rank may now write into ``tmp``;
+    * ``finalize(manifest)`` on the writer only, after every rank is done: writes the manifest atomically,
+      fsyncs, renames the temporary to the final name (an existing final directory is moved aside first
+      and removed after) and fsyncs the parent;
+    * ``abort()`` on the writer only: removes the temporary.
+
+    A crash at any point leaves either the old committed directory or none, plus hidden debris that
+    :meth:`is_temporary` recognises and the next save removes.
+    """
+
+    PARTIAL, OLD = ".ranksafe-partial", ".ranksafe-old"
+
+    def __init__(self, final: str | os.PathLike):
+        self.final = os.path.abspath(os.fspath(final))
+        self.parent, self.name = os.path.split(self.final)
+        self.tmp = os.path.join(self.parent, f".{self.name}{self.PARTIAL}")
+        self._old = os.path.join(self.parent, f".{self.name}{self.OLD}")
+
+    @classmethod
+    def is_temporary(cls, name: str) -> bool:
+        return name.startswith(".") and name.endswith((cls.PARTIAL, cls.OLD))
+
+    def create(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        os.makedirs(self.parent, exist_ok=True)
+        os.mkdir(self.tmp)
+
+    def finalize(self, manifest: Mapping[str, Any]) -> None:
+        with atomic_write(os.path.join(self.tmp, MANIFEST), "w") as f:
+            json.dump(manifest, f, indent=1)
+        fsync_dir(self.tmp)
+        replaced = os.path.isdir(self.final)
+        if replaced:
+            shutil.rmtree(self._old, ignore_errors=True)
+            os.rename(self.final, self._old)
+        os.rename(self.tmp, self.final)
+        fsync_dir(self.parent)
+        if replaced:
+            shutil.rmtree(self._old, ignore_errors=True)
+
+    def abort(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _crc_file(path: str) -> Entry:
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+            size += len(chunk)
+        os.fsync(f.fileno())  # side files written with a plain open(): make them durable before the commit
+    return size, crc
+
+
+def _walk(directory: str) -> Iterator[str]:
+    """Relative paths ('/'-separated) of the files under ``directory``, except the manifest and temporaries."""
+    for here, dirs, files in os.walk(directory):
+        dirs.sort()
+        for name in sorted(files):
+            rel = os.path.relpath(os.path.join(here, name), directory).replace(os.sep, "/")
+            if rel != MANIFEST and not name.endswith(TMP_SUFFIX):
+                yield rel
+
+
+def build_manifest(directory: str, step: int, known: Mapping[str, Entry]) -> dict[str, Any]:
+    """The manifest of ``directory``: every file's size and CRC32 (from ``known`` when the writer reported it)."""
+    files = {}
+    for rel in _walk(directory):
+        size, crc = known[rel] if rel in known else _crc_file(os.path.join(directory, rel))
+        files[rel] = {"size": size, "crc32": f"{crc:08x}"}
+    return {"format": FORMAT, "step": step, "time": time.time(), "files": files}
+
+
+def read_manifest(step_dir: str | os.PathLike) -> dict[str, Any]:
+    """The manifest of a committed step directory; :class:`CorruptCheckpoint` if missing or unreadable."""
+    path = os.path.join(os.fspath(step_dir), MANIFEST)
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        if not os.path.isdir(step_dir):
+            raise
+        raise CorruptCheckpoint(path, "no manifest: the save never committed") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CorruptCheckpoint(path, f"unreadable manifest ({e})") from e
+    if not (isinstance(manifest, dict) and manifest.get("format") == FORMAT and isinstance(manifest["files"], dict)):
+        raise CorruptCheckpoint(path, f"not a {FORMAT} manifest")
+    return manifest
+
+
+def verify_step(step_dir: str | os.PathLike, deep: bool = True) -> dict[str, Any]:
+    """Check every file of a step directory against its manifest; return the manifest.
+
+    Raises :class:`CorruptCheckpoint` naming the first bad file (missing, wrong size, or with ``deep``
+    wrong CRC32), and ``FileNotFoundError`` when the directory does not exist. Local, no collectives.
+    """
+    step_dir = os.fspath(step_dir)
+    manifest = read_manifest(step_dir)
+    for rel, meta in manifest["files"].items():
+        path = os.path.join(step_dir, *rel.split("/"))
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            raise CorruptCheckpoint(path, "missing (listed in the manifest)") from None
+        if size != meta["size"]:
+            raise CorruptCheckpoint(path, f"size is {size} bytes, the manifest says {meta['size']}")
+        if deep:
+            crc = _crc_file(path)[1]
+            if f"{crc:08x}" != meta["crc32"]:
+                raise CorruptCheckpoint(path, f"checksum mismatch (crc32 {crc:08x}, manifest says {meta['crc32']})")
+    return manifest
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """One step directory as :func:`list_steps` sees it."""
+
+    step: int
+    path: str
+    status: Status
+    size: int  # bytes of the files found
+    time: float  # commit time from the manifest, else the directory's modification time
+    error: str | None = None
+
+
+def _step_pattern(prefix: str) -> re.Pattern[str]:
+    return re.compile(rf"^(\.)?{re.escape(prefix)}(\d+)({re.escape(AtomicDir.PARTIAL)})?$")
+
+
+def list_steps(root: str | os.PathLike, prefix: str = "step_", deep: bool = False) -> list[StepInfo]:
+    """Every step directory under ``root``, oldest first, as committed, incomplete or corrupt. Local."""
+    root = os.fspath(root)
+    pattern = _step_pattern(prefix)
+    out = []
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        m = pattern.match(name)
+        if not m or bool(m.group(1)) != bool(m.group(3)):
+            continue
+        path = os.path.join(root, name)
+        size = sum(os.stat(os.path.join(path, *rel.split("/"))).st_size for rel in _walk(path))
+        status: Status = "committed"
+        error, when = None, os.stat(path).st_mtime
+        if m.group(3):
+            status = "incomplete"
+        else:
+            try:
+                when = verify_step(path, deep=deep)["time"]
+            except CorruptCheckpoint as e:
+                status = "incomplete" if os.path.basename(e.path) == MANIFEST and "never" in e.reason else "corrupt"
+                error = str(e)
+        out.append(StepInfo(int(m.group(2)), path, status, size, when, error))
+    return sorted(out, key=lambda s: (s.step, s.status != "committed"))
+
+
+class StepWriter:
+    """What every rank holds inside :meth:`CheckpointManager.saving`: the temporary step directory.
+
+    Files written through :meth:`save` are checksummed while they stream to disk, and their size and CRC
+    travel to the writer for the manifest; files written directly into :attr:`path` are hashed by the
+    writer at commit. Names are plain file names inside the step directory.
+    """
+
+    def __init__(self, path: str, step: int):
+        self.path = path
+        self.step = step
+        self.entries: dict[str, Entry] = {}
+
+    def file(self, name: str) -> str:
+        """The path of ``name`` inside the temporary step directory."""
+        return os.path.join(self.path, check_name(name, "file name"))
+
+    def save(self, obj: Any, name: str) -> str:
+        """Write ``obj`` as ``name``: bytes and str as they are, anything else with ``torch.save``."""
+        path = self.file(name)
+        raw = obj.encode() if isinstance(obj, str) else obj
+        with atomic_write(path) as f:
+            whole = _ChecksummingWriter(f)
+            if isinstance(raw, (bytes, bytearray, memoryview)):
+                whole.write(raw)
+            else:  # torch.save + ranksafe footer, as files.atomic_save writes it
+                payload = _ChecksummingWriter(whole)
+                torch.save(obj, payload)
+                whole.write(payload.footer())
+        self.entries[name] = (whole.length, whole.crc)
+        return path
+
+
+def _shard(rank: int) -> str:
+    return f"shard-{rank:05d}.pt"
+
+
+class CheckpointManager:
+    """Numbered checkpoints under ``root``: atomic step directories, agreed ``latest``, verified load, retention.
+
+    Every method is a collective (all ranks call it, in the same order). ``storage``: ``auto`` probes once
+    whether ``root`` is shared or node-local (:mod:`ranksafe.storage`); ``shared`` / ``local`` say so.
+    ``keep``: committed steps to keep (``None``: all); only writers delete, never the newest committed
+    step or one being loaded.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        keep: int | None = 3,
+        storage: Storage = "auto",
+        prefix: str = "step_",
+        timeout: float | None = None,
+    ):
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+            raise ValueError(f"keep must be a positive int or None, not {keep!r}")
+        check_name(prefix + "0", "step prefix")
+        if storage not in ("auto", "shared", "local"):
+            raise ValueError(f"storage must be 'auto', 'shared' or 'local', not {storage!r}")
+        self.root = os.path.abspath(os.fspath(root))
+        self.keep, self.storage, self.prefix, self.timeout = keep, storage, prefix, timeout
+        self.loaded_step: int | None = None  # the step the last load() returned (after any fallback)
+        self._loading: set[int] = set()
+        self._pattern = re.compile(rf"^{re.escape(prefix)}(\d+)$")
+
+    @property
+    def placement(self) -> Placement:
+        """Who writes under ``root`` (a collective the first time, with ``storage="auto"``)."""
+        return placement(self.root, self.storage, self.timeout)
+
+    def step_dir(self, step: int) -> str:
+        """The committed directory of ``step`` (the same path on every rank; no file-system call)."""
+        return os.path.join(self.root, f"{self.prefix}{_check_step(step):08d}")
+
+    # -- saving ---------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def saving(self, step: int) -> Iterator[StepWriter]:
+        """Open step ``step`` for writing on every rank; commit it when every rank's block is done.
+
+        The writer(s) create the temporary step directory before any rank enters the block, so every rank
+        can write its side state into ``writer.path`` (RNG, data loader, user files). If any rank's block
+        raises, no rank commits and every rank raises :class:`RankFailure`. Three exchanges in all.
+        """
+        where = self.placement
+        commit = AtomicDir(self.step_dir(step))
+        with together(f"checkpoint {step}: create", self.timeout):
+            if where.writer:
+                self._clean_debris()
+                commit.create()
+        tx = StepWriter(commit.tmp, step)
+        exc: BaseException | None = None
+        try:
+            yield tx
+        except BaseException as e:
+            exc = e
+        me = None if exc is None else Failure.from_exception(topology.rank(), exc)
+        posted = exchange(f"checkpoint {step}: written", (topology.node_rank(), tx.entries, me), list, self.timeout)
+        failures = [f for _, _, f in posted if f is not None]
+        if failures:
+            if where.writer:
+                commit.abort()
+            if exc is not None and topology.world_size() == 1:
+                raise exc
+            raise rank_failure(f"checkpoint {step}: write", failures) from exc
+        known = {
+            name: entry
+            for node, entries, _ in posted
+            if where.group is None or node in where.group
+            for name, entry in entries.items()
+        }
+        with together(f"checkpoint {step}: commit", self.timeout):
+            if where.writer:
+                try:
+                    commit.finalize(build_manifest(commit.tmp, step, known))
+                except BaseException:
+                    commit.abort()
+                    raise
+                self._retain(newest=step)
+
+    def save(self, step: int, state: Any, extra_files: Mapping[str, Any] | None = None, sharded: bool = False) -> str:
+        """Save ``state`` as step ``step``; collective. Returns the committed step directory.
+
+        The writer(s) write ``state`` (``sharded=True``: every rank writes its own shard) and ``extra_files``
+        (name -> bytes, str, or an object for ``torch.save``). For per-rank side files use :meth:`saving`.
+        """
+        return self._write_step(step, state, extra_files or {}, sharded)
+
+    def _write_step(self, step: int, state: Any, extra_files: Mapping[str, Any], sharded: bool) -> str:
+        """The whole write path as a function of (step, state): what a background saver runs."""
+        for name in extra_files:
+            check_name(name, "extra file name")
+        with self.saving(step) as tx:
+            if sharded:
+                tx.save(state, _shard(topology.rank()))
+            if self.placement.writer:
+                if not sharded:
+                    tx.save(state, STATE)
+                for name, obj in extra_files.items():
+                    tx.save(obj, name)
+        return self.step_dir(step)
+
+    def _committed(self) -> list[int]:
+        """Steps committed in this rank's copy of ``root``, oldest first (file-system calls: writers only)."""
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        steps = (int(m.group(1)) for m in map(self._pattern.match, names) if m)
+        return sorted(s for s in steps if os.path.isfile(os.path.join(self.step_dir(s), MANIFEST)))
+
+    def _clean_debris(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            for name in os.listdir(self.root):
+                if AtomicDir.is_temporary(name) and name[1:].startswith(self.prefix):
+                    shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+
+    def _retain(self, newest: int) -> None:
+        if self.keep is None:
+            return
+        committed = self._committed()
+        for step in committed[: -self.keep]:
+            if step == newest or step in self._loading:
+                continue
+            doomed = AtomicDir(self.step_dir(step))
+            os.rename(doomed.final, doomed.tmp)  # no longer committed before its files go
+            shutil.rmtree(doomed.tmp, ignore_errors=True)
+
+    # -- loading --------------------------------------------------------------------------------------
+
+    def _common(self) -> list[int]:
+        """Steps committed on every writer's copy, newest first; one exchange, agreed."""
+        mine = self._committed() if self.placement.writer else None
+        return exchange(f"checkpoint {self.root}: steps", mine, _newest_common, self.timeout)
+
+    def latest(self) -> int | None:
+        """The newest step committed on every node, the same on every rank; ``None`` when there is none."""
+        common = self._common()
+        return common[0] if common else None
+
+    def load(
+        self,
+        step: int | None = None,
+        fallback: bool = False,
+        map_location: Any = "cpu",
+        weights_only: bool = True,
+        sharded: bool = False,
+    ) -> Any:
+        """Load step ``step`` (default: :meth:`latest`) on every rank after verifying it; collective.
+
+        The writer(s) check every file against the manifest first. A corrupt step raises
+        :class:`CorruptCheckpoint` on every rank, naming the file, unless ``fallback`` is set (and ``step``
+        is not): then the previous good step loads, with a warning. :attr:`loaded_step` says which step.
+        """
+        common = self._common()
+        if step is not None:
+            if _check_step(step) not in common:
+                raise FileNotFoundError(f"step {step} is not committed on every node under {self.root}")
+            candidates = [step]
+        elif not common:
+            raise FileNotFoundError(f"no committed checkpoint under {self.root}")
+        else:
+            candidates = common if fallback else common[:1]
+        for i, s in enumerate(candidates):
+            self._loading.add(s)
+            try:
+                bad = self._verify(s)
+                if bad and i + 1 < len(candidates):
+                    warnings.warn(f"{bad}; loading step {candidates[i + 1]} instead", RuntimeWarning, stacklevel=2)
+                    continue
+                if bad:
+                    raise bad
+                result = None
+                with together(f"checkpoint {s}: load", self.timeout):
+                    name = _shard(topology.rank()) if sharded else STATE
+                    path = os.path.join(self.step_dir(s), name)
+                    result = load_file(path, map_location=map_location, weights_only=weights_only)
+                self.loaded_step = s
+                return result
+            finally:
+                self._loading.discard(s)
+        raise AssertionError("unreachable: the loop returns or raises")
+
+    def _verify(self, step: int) -> BaseException | None:
+        """The agreed verdict of the writers' deep check of ``step``: None, or the error to raise everywhere."""
+        exc = None
+        if self.placement.writer:
+            try:
+                verify_step(self.step_dir(step))
+            except (CorruptCheckpoint, OSError) as e:
+                exc = e
+        me = None if exc is None else Failure.from_exception(topology.rank(), exc)
+        failures = exchange(f"checkpoint {step}: verify", me, _present, self.timeout)
+        if not failures:
+            return None
+        return exc if exc is not None and topology.world_size() == 1 else rank_failure(f"verify step {step}", failures)
+
+
+def _present(values: Iterable[Failure | None]) -> list[Failure]:
+    return [v for v in values if v is not None]
+
+
+def _newest_common(listings: list[list[int] | None]) -> list[int]:
+    sets = [set(steps) for steps in listings if steps is not None]
+    return sorted(set.intersection(*sets), reverse=True) if sets else []

@@ -1,0 +1,143 @@
+"""Is a directory shared by every rank, or local to each node? And so: which ranks write there.
+
+On storage every rank shares (NFS, Lustre, one machine's disk), one writer (global rank 0) is enough; on
+node-local disks every node needs its own copy, written by its local main. Guessing wrong breaks jobs in
+both directions: rank 0 alone writing to a local disk leaves the other nodes without the file; every node
+writing to shared storage races on the same names.
+
+The answer comes from one probe per directory, cached: each node's local main (and nobody else) writes a
+token file with a random name, every rank lists the directory and reports which nodes' tokens it sees, and
+the reports are agreed. Because *every* local main writes, the probe is correct on both kinds of storage:
+on node-local disks each node sees exactly its own token, on shared storage every node sees all of them.
+A mix (some nodes share a disk, others do not) is recognised too: each group of nodes that share a disk
+gets one writer, the local main of its lowest node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from dataclasses import dataclass
+from typing import Literal
+
+from . import topology
+from .collectives import exchange
+from .errors import Failure, rank_failure
+
+Storage = Literal["auto", "shared", "local"]
+Kind = Literal["shared", "local", "mixed"]
+PROBE_PREFIX = ".ranksafe-probe-"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a directory lives, from this rank's point of view.
+
+    ``kind``: ``shared`` (every rank sees the same files), ``local`` (each node its own), or ``mixed``.
+    ``writer``: this rank writes the full copy that the nodes of its ``group`` read, and commits it.
+    ``group``: the nodes that read the files this rank's node sees; ``None`` means every node.
+    """
+
+    kind: Kind
+    writer: bool
+    group: frozenset[int] | None
+
+
+_cache: dict[tuple[str, int | None], Placement] = {}
+
+
+def _group_key() -> int | None:
+    import torch.distributed as dist
+
+    return id(dist.group.WORLD) if topology.is_distributed() else None
+
+
+def placement(directory: str | os.PathLike, storage: Storage = "auto", timeout: float | None = None) -> Placement:
+    """Decide who writes ``directory``; collective the first time for ``storage="auto"``, cached after.
+
+    ``shared`` and ``local`` skip the probe (no collective, no file-system call): use them when you know.
+    """
+    if storage == "shared":
+        return Placement("shared", topology.is_main(), None)
+    if storage == "local":
+        return Placement("local", topology.is_local_main(), frozenset({topology.node_rank()}))
+    if storage != "auto":
+        raise ValueError(f"storage must be 'auto', 'shared' or 'local', not {storage!r}")
+    if topology.world_size() == 1:
+        return Placement("shared", True, None)
+    key = (os.path.abspath(os.fspath(directory)), _group_key())
+    if key not in _cache:
+        _cache[key] = _from_groups(probe(directory, timeout))
+    return _cache[key]
+
+
+def detect(directory: str | os.PathLike, timeout: float | None = None) -> Kind:
+    """``shared``, ``local`` or ``mixed`` for ``directory``; collective on first call, cached after."""
+    return placement(directory, "auto", timeout).kind
+
+
+def _raise_failures(what: str, failures: list[Failure]) -> None:
+    if failures:
+        raise rank_failure(what, failures)
+
+
+def probe(directory: str | os.PathLike, timeout: float | None = None) -> dict[int, frozenset[int]]:
+    """For every node, the nodes whose token its ranks all see in ``directory``; collective, uncached.
+
+    Two exchanges. Only local mains touch the file system to write (create the directory, write and
+    then remove their token); every rank lists the directory once.
+    """
+    directory = os.path.abspath(os.fspath(directory))
+    node, me = topology.node_rank(), topology.rank()
+    token, path, failure = None, None, None
+    if topology.is_local_main():
+        try:
+            os.makedirs(directory, exist_ok=True)
+            token = secrets.token_hex(8)
+            path = os.path.join(directory, f"{PROBE_PREFIX}{node}-{token}")
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        except OSError as e:
+            failure, path = Failure.from_exception(me, e), None
+    try:
+        posted = exchange(f"storage probe {directory}: tokens", (node, token, failure), list, timeout)
+        _raise_failures(f"storage probe {directory}", [f for _, _, f in posted if f is not None])
+        tokens = {n: t for n, t, _ in posted if t is not None}
+        headless = sorted({n for n, _, _ in posted} - tokens.keys())
+        if headless:
+            raise ValueError(f"node(s) {headless} have no local rank 0 to write for them; check LOCAL_RANK")
+        failure = None
+        try:
+            names = set(os.listdir(directory))
+        except OSError as e:  # a node whose copy of the directory does not exist sees no token
+            names, failure = set(), None if isinstance(e, FileNotFoundError) else Failure.from_exception(me, e)
+        visible = frozenset(n for n, t in tokens.items() if f"{PROBE_PREFIX}{n}-{t}" in names)
+        seen = exchange(f"storage probe {directory}: seen", (node, visible, failure), list, timeout)
+        _raise_failures(f"storage probe {directory}", [f for _, _, f in seen if f is not None])
+    finally:
+        if path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+    groups: dict[int, frozenset[int]] = {}
+    for n, vis, _ in seen:
+        groups[n] = groups.get(n, vis) & vis
+    return groups
+
+
+def _from_groups(groups: dict[int, frozenset[int]]) -> Placement:
+    """This rank's placement from every node's visible group (the same on every rank)."""
+    nodes = frozenset(groups)
+    for n, group in groups.items():
+        if n not in group:
+            raise RuntimeError(f"ranks of node {n} see different directories (one does not see its own local main's)")
+        if any(groups[m] != group for m in group):
+            raise RuntimeError(
+                f"nodes {sorted(group)} do not see each other's files symmetrically (lagging or partial mounts?); "
+                "pass storage='shared' or storage='local' explicitly"
+            )
+    node = topology.node_rank()
+    if all(g == nodes for g in groups.values()):
+        return Placement("shared", topology.is_main(), None)
+    kind: Kind = "local" if all(len(g) == 1 for g in groups.values()) else "mixed"
+    mine = groups[node]
+    return Placement(kind, topology.is_local_main() and node == min(mine), mine)
