@@ -1,0 +1,266 @@
+"""StateDictLock (exclusion, no deadlock, no starvation of the step) and the reusable staging buffers."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+import pytest
+import torch
+
+from ranksafe.snapshot import StagingBuffers, StateDictLock
+from tests.ranks import run_ranks
+
+# --------------------------------------------------------------------------------------------------- lock
+
+
+def test_readers_share_the_lock():
+    lock = StateDictLock()
+    both_inside = threading.Barrier(2, timeout=5)  # breaks (raises) unless two readers hold it at once
+    errors = []
+
+    def reader():
+        try:
+            with lock.read():
+                both_inside.wait()
+        except threading.BrokenBarrierError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=reader) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert not errors and not any(t.is_alive() for t in threads)
+
+
+def test_exclusion_under_contention_and_no_deadlock():
+    lock = StateDictLock()
+    state = {"readers": 0, "writers": 0, "violations": 0, "reads": 0, "writes": 0}
+    guard = threading.Lock()
+
+    def enter(kind):
+        with guard:
+            state[kind] += 1
+            if state["writers"] > 1 or (state["writers"] and state["readers"]):
+                state["violations"] += 1
+
+    def leave(kind):
+        with guard:
+            state[kind] -= 1
+
+    def worker(i):
+        for n in range(300):
+            if (n + i) % 3 == 0:
+                with lock.write():
+                    enter("writers")
+                    state["writes"] += 1
+                    leave("writers")
+            else:
+                with lock.read():
+                    enter("readers")
+                    state["reads"] += 1
+                    leave("readers")
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    start = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert not any(t.is_alive() for t in threads), "deadlock: workers still blocked after 20 s"
+    assert state["violations"] == 0
+    assert state["reads"] + state["writes"] == 4 * 300
+    assert time.monotonic() - start < 20
+
+
+def test_reentrancy_and_misuse_raise_instead_of_deadlocking():
+    lock = StateDictLock()
+    # nested step hooks, and a snapshot taken inside the step on the stepping thread
+    with lock.write(), lock.write(), lock.read():
+        pass
+    with lock.read():
+        with lock.read():
+            pass
+        with pytest.raises(RuntimeError, match="deadlock"):
+            lock.acquire_write()
+    with pytest.raises(RuntimeError):
+        lock.release_write()
+    with pytest.raises(RuntimeError):
+        lock.release_read()
+    # after all that, another thread can still take the write side at once
+    got = []
+    t = threading.Thread(target=lambda: got.append(lock.acquire_write(timeout=2)))
+    t.start()
+    t.join(5)
+    assert got == [True]
+
+
+def test_a_held_write_side_times_readers_out():
+    lock = StateDictLock()
+    with lock.write():
+        out = []
+        t = threading.Thread(target=lambda: out.append(lock.acquire_read(timeout=0.2)))
+        t.start()
+        t.join(5)
+    assert out == [False]
+    with lock.read():  # the timed-out reader left no trace
+        pass
+
+
+class _ReaderPreferringLock:
+    """The textbook reader/writer lock: a writer waits until no reader is left. The control."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writer = False
+
+    def acquire_read(self, timeout=None):
+        with self._cond:
+            if not self._cond.wait_for(lambda: not self._writer, timeout):
+                return False
+            self._readers += 1
+            return True
+
+    def release_read(self):
+        with self._cond:
+            self._readers -= 1
+            self._cond.notify_all()
+
+    def acquire_write(self, timeout=None):
+        with self._cond:
+            if not self._cond.wait_for(lambda: not self._writer and self._readers == 0, timeout):
+                return False
+            self._writer = True
+            return True
+
+    def release_write(self):
+        with self._cond:
+            self._writer = False
+            self._cond.notify_all()
+
+
+def _writer_wait_under_relay(lock, writer_timeout: float) -> tuple[bool, int, float]:
+    """Two reader threads pass the read side hand to hand, so there is always a reader (snapshots in a
+    loop). Each releases only after the next has acquired, or after 0.2 s if the next is held back.
+    Returns whether a writer (the step) got in within ``writer_timeout``, and the reads done meanwhile."""
+    stop = threading.Event()
+    turn = [threading.Event(), threading.Event()]
+    acquired = [threading.Event(), threading.Event()]
+    reads = [0]
+    turn[0].set()
+
+    def relay(i):
+        nxt = 1 - i
+        while not stop.is_set():
+            if not turn[i].wait(0.05):
+                continue
+            turn[i].clear()
+            if not lock.acquire_read(timeout=0.5):
+                turn[i].set()
+                continue
+            reads[0] += 1
+            acquired[i].set()
+            turn[nxt].set()
+            acquired[nxt].wait(0.2)
+            acquired[nxt].clear()
+            time.sleep(0.005)
+            lock.release_read()
+
+    threads = [threading.Thread(target=relay, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(0.1)  # the relay is running
+    start = time.monotonic()
+    got = lock.acquire_write(timeout=writer_timeout)
+    waited = time.monotonic() - start
+    if got:
+        lock.release_write()
+    stop.set()
+    for t in threads:
+        t.join(5)
+    assert not any(t.is_alive() for t in threads)
+    return got, reads[0], waited
+
+
+def test_the_step_is_not_starved_by_back_to_back_snapshots():
+    # control: with a reader-preferring lock the overlapping readers keep the writer out for the whole window
+    got, reads, _ = _writer_wait_under_relay(_ReaderPreferringLock(), writer_timeout=1.0)
+    assert not got and reads > 20, (got, reads)
+    # ours: the waiting writer holds new readers back, so it gets in after the snapshot already running
+    got, reads, waited = _writer_wait_under_relay(StateDictLock(), writer_timeout=5.0)
+    assert got, f"the writer starved ({reads} reads)"
+    assert waited < 5.0
+
+
+# ----------------------------------------------------------------------------------------------- staging
+
+
+def _many_tensors(n=2000):
+    state = collections.OrderedDict()
+    for i in range(n):
+        state[f"p{i}"] = torch.randn(3, 2) if i % 2 else torch.arange(4, dtype=torch.int64) + i
+    state["half"] = torch.ones(5, dtype=torch.float16)
+    return state
+
+
+def test_thousands_of_tensors_take_one_buffer_per_dtype_reused_across_snapshots():
+    staging = StagingBuffers()
+    state = _many_tensors()
+    snap = staging.take(state)
+    assert staging.allocations == 3  # float32, int64, float16: three allocations, not 2001
+    ptrs = {k: b.data_ptr() for k, b in staging.buffers.items()}
+    assert type(snap) is collections.OrderedDict and list(snap) == list(state)
+    assert all(torch.equal(snap[k], state[k]) for k in state)
+    assert all(snap[k].data_ptr() != state[k].data_ptr() for k in state)  # copies, not aliases
+    for v in state.values():
+        v.add_(1)
+    snap2 = staging.take(state)
+    assert staging.allocations == 3 and ptrs == {k: b.data_ptr() for k, b in staging.buffers.items()}
+    assert all(torch.equal(snap2[k], state[k]) for k in state)
+    # a changed structure (a new shape) reallocates
+    state["p1"] = torch.randn(7)
+    staging.take(state)
+    assert staging.allocations == 6
+
+
+def test_snapshot_keeps_structure_ties_parameters_and_deep_copies_the_rest():
+    staging = StagingBuffers()
+    w = torch.nn.Parameter(torch.randn(4, 4))
+    t = torch.randn(6, 4).t()  # not contiguous
+    Point = collections.namedtuple("Point", "x y")
+    state = {"w": w, "tied": [w, w], "t": t, "meta": {"lr": [0.1]}, "pt": Point(1, t), "n": None}
+    snap = staging.take(state)
+    state["meta"]["lr"].append(0.2)  # non-tensor state changes after the call: the snapshot must not
+    assert snap["meta"] == {"lr": [0.1]}
+    assert isinstance(snap["w"], torch.nn.Parameter) and torch.equal(snap["w"], w)
+    assert snap["tied"][0] is snap["tied"][1] is snap["w"]  # one copy, still tied
+    assert torch.equal(snap["t"], t) and isinstance(snap["pt"], Point) and snap["pt"].y is snap["t"]
+    assert snap["n"] is None
+
+
+def _dtensor_snapshot(rank):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    full = torch.arange(16.0).reshape(4, 4)
+    d = distribute_tensor(full, mesh, [Shard(0)])
+    snap = StagingBuffers().take({"w": d})["w"]
+    before = d.to_local().clone()
+    d._local_tensor.add_(100)
+    return {
+        "type": type(snap) is DTensor,
+        "placements": str(snap.placements),
+        "shape": tuple(snap.shape),
+        "local_equal": torch.equal(snap._local_tensor, before),
+        "copied": snap._local_tensor.data_ptr() != d._local_tensor.data_ptr(),
+    }
+
+
+def test_dtensor_snapshot_copies_the_local_shard_and_keeps_placements():
+    for v in run_ranks(_dtensor_snapshot, 2).values:
+        expected = {"type": True, "placements": "(Shard(dim=0),)", "shape": (4, 4), "local_equal": True, "copied": True}
+        assert v == expected
