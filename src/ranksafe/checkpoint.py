@@ -153,7 +153,8 @@ def read_manifest(step_dir: str | os.PathLike) -> dict[str, Any]:
         raise CorruptCheckpoint(path, "no manifest: the save never committed") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise CorruptCheckpoint(path, f"unreadable manifest ({e})") from e
-    if not (isinstance(manifest, dict) and manifest.get("format") == FORMAT and isinstance(manifest["files"], dict)):
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not (isinstance(files, dict) and manifest.get("format") == FORMAT):
         raise CorruptCheckpoint(path, f"not a {FORMAT} manifest")
     return manifest
 
@@ -299,13 +300,18 @@ class CheckpointManager:
     # -- saving ---------------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def saving(self, step: int) -> Iterator[StepWriter]:
+    def saving(self, step: int, writer_files: Mapping[str, Any] | None = None) -> Iterator[StepWriter]:
         """Open step ``step`` for writing on every rank; commit it when every rank's block is done.
 
         The writer(s) create the temporary step directory before any rank enters the block, so every rank
-        can write its side state into ``writer.path`` (RNG, data loader, user files). If any rank's block
-        raises, no rank commits and every rank raises :class:`RankFailure`. Three exchanges in all.
+        can write its side state into ``writer.path`` (RNG, data loader, user files). ``writer_files``
+        (name -> bytes, str, or an object for ``torch.save``) are written by the writer(s) alone, after the
+        block. If any rank fails, no rank commits and every rank raises :class:`RankFailure`. Three
+        exchanges in all, whatever the world size.
         """
+        writer_files = dict(writer_files or {})
+        for name in writer_files:
+            check_name(name, "file name")
         where = self.placement
         commit = AtomicDir(self.step_dir(step))
         with together(f"checkpoint {step}: create", self.timeout):
@@ -327,41 +333,40 @@ class CheckpointManager:
             if exc is not None and topology.world_size() == 1:
                 raise exc
             raise rank_failure(f"checkpoint {step}: write", failures) from exc
-        known = {
-            name: entry
-            for node, entries, _ in posted
-            if where.group is None or node in where.group
-            for name, entry in entries.items()
-        }
+        for node, entries, _ in posted:
+            if where.group is None or node in where.group:
+                tx.entries.update(entries)
         with together(f"checkpoint {step}: commit", self.timeout):
             if where.writer:
-                try:
-                    commit.finalize(build_manifest(commit.tmp, step, known))
-                except BaseException:
-                    commit.abort()
-                    raise
-                self._retain(newest=step)
+                self._commit(commit, tx, writer_files)
+
+    def _commit(self, commit: AtomicDir, tx: StepWriter, writer_files: Mapping[str, Any]) -> str:
+        """Writer-local, no collectives: write ``writer_files``, commit the step, apply retention.
+
+        Everything a background saver has to run for a step, once the directory is open and every rank's
+        side files are in: ``lambda snapshot: self._commit(commit, tx, {STATE: snapshot})``.
+        """
+        try:
+            for name, obj in writer_files.items():
+                tx.save(obj, name)
+            commit.finalize(build_manifest(commit.tmp, tx.step, tx.entries))
+        except BaseException:
+            commit.abort()
+            raise
+        self._retain(newest=tx.step)
+        return commit.final
 
     def save(self, step: int, state: Any, extra_files: Mapping[str, Any] | None = None, sharded: bool = False) -> str:
         """Save ``state`` as step ``step``; collective. Returns the committed step directory.
 
-        The writer(s) write ``state`` (``sharded=True``: every rank writes its own shard) and ``extra_files``
-        (name -> bytes, str, or an object for ``torch.save``). For per-rank side files use :meth:`saving`.
+        The writer(s) write ``state`` as ``state.pt`` (``sharded=True``: every rank writes its own shard
+        instead) and ``extra_files`` (name -> bytes, str, or an object for ``torch.save``). For per-rank
+        side files use :meth:`saving`.
         """
-        return self._write_step(step, state, extra_files or {}, sharded)
-
-    def _write_step(self, step: int, state: Any, extra_files: Mapping[str, Any], sharded: bool) -> str:
-        """The whole write path as a function of (step, state): what a background saver runs."""
-        for name in extra_files:
-            check_name(name, "extra file name")
-        with self.saving(step) as tx:
+        files = {**({} if sharded else {STATE: state}), **(extra_files or {})}
+        with self.saving(step, files) as tx:
             if sharded:
                 tx.save(state, _shard(topology.rank()))
-            if self.placement.writer:
-                if not sharded:
-                    tx.save(state, STATE)
-                for name, obj in extra_files.items():
-                    tx.save(obj, name)
         return self.step_dir(step)
 
     def _committed(self) -> list[int]:
