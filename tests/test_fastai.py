@@ -1,0 +1,224 @@
+"""fastai integration on real ranks: 2 gloo processes on CPU, a Linear on 64 tabular rows.
+
+Each multi-process run combines several checks (fastai's import costs seconds per process).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import pytest
+
+pytest.importorskip("fastai")
+
+import torch
+from fastai.tabular.all import (
+    Callback,
+    CSVLogger,
+    EarlyStoppingCallback,
+    Learner,
+    MSELossFlat,
+    Normalize,
+    SaveModelCallback,
+    TabularDataLoaders,
+    get_model,
+    nn,
+    pd,
+)
+
+import ranksafe.fastai as rf
+from ranksafe import collectives
+from ranksafe.fastai import RankSafe
+from tests.ranks import run_ranks
+
+# rank 0 sees NaN first and its best at epoch 2; rank 1 would pick epoch 3
+SAVE_VALUES = {0: [math.nan, 0.5, 0.4, 0.6], 1: [0.9, 0.8, 0.1, 0.05]}
+# rank 0 stops improving at epoch 1 (patience 1); rank 1 keeps improving
+STOP_VALUES = {0: [0.5, 0.6, 0.7, 0.8], 1: [0.9, 0.8, 0.7, 0.6]}
+
+
+class Lin(nn.Module):
+    """A tabular model: a Linear on the continuous columns."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(3, 1)
+
+    def forward(self, x_cat, x_cont):
+        return self.l(x_cont)
+
+
+def tabular_dls(path) -> TabularDataLoaders:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 3, generator=g)
+    df = pd.DataFrame(x.numpy(), columns=list("abc"))
+    df["y"] = (x.sum(1) + 0.1 * torch.randn(64, generator=g)).numpy()
+    return TabularDataLoaders.from_df(
+        df, path, y_names="y", cont_names=list("abc"), procs=[Normalize], bs=8, valid_idx=list(range(48, 64)),
+        device="cpu",
+    )  # fmt: skip
+
+
+class Inject(Callback):
+    """Overwrite this rank's valid_loss after the Recorder (50), before RankSafe (55) and the trackers."""
+
+    order = 52
+
+    def __init__(self, values):
+        self.values = values
+
+    def after_epoch(self):
+        rec = self.learn.recorder
+        rec.values[-1][list(rec.metric_names[1:]).index("valid_loss")] = self.values[self.learn.epoch]
+
+
+class Watch(Callback):
+    """Per epoch: the weights, the ranksafe collective count, which shard of the data this rank trained on."""
+
+    order = 56
+
+    def before_fit(self):
+        self.weights, self.seqs, self.shards, self.epochs = [], [], [], 0
+
+    def before_train(self):
+        dl = self.learn.dl
+        self.shards.append(
+            (type(self.learn.model).__name__, getattr(dl, "rank", None), getattr(dl, "world_size", None))
+        )
+
+    def after_epoch(self):
+        self.epochs += 1
+        self.weights.append(params(self.learn))
+        s = collectives._session
+        self.seqs.append(s.seq if s is not None else None)
+
+
+def params(learn) -> list[float]:
+    return torch.cat([p.detach().flatten() for p in get_model(learn.model).parameters()]).tolist()
+
+
+class CountSaves:
+    """Count torch.save calls in this process (fastai's and ranksafe's writers all end there)."""
+
+    def __init__(self):
+        self.n, self._orig = 0, torch.save
+        torch.save = self
+
+    def __call__(self, *a, **k):
+        self.n += 1
+        return self._orig(*a, **k)
+
+
+def _learner(path, safe: bool, *cbs) -> Learner:
+    extra = [RankSafe()] if safe else []
+    return Learner(tabular_dls(path), Lin(), loss_func=MSELossFlat(), path=path, cbs=[*extra, *cbs])
+
+
+def _fit_watch(learn, n, *cbs) -> Watch:
+    watch = Watch()
+    with learn.no_bar(), learn.no_logging(), learn.distrib_ctx(sync_bn=False):
+        learn.fit(n, 1e-2, cbs=[watch, *cbs])
+    return watch
+
+
+# ------------------------------------------------------------------ run 1: mp.spawn-like, RankSafe + DDP
+
+
+def _ddp_with_ranksafe(rank, root):
+    torch.manual_seed(rank)  # different initial weights per rank: DDP must broadcast rank 0's
+    saves = CountSaves()
+    out = {"env_rank": None}
+    learn = _learner(root, True, CSVLogger())
+    out["env_rank"] = os.environ.get("RANK")
+
+    # SaveModelCallback, disagreeing values, NaN on rank 0 at epoch 0
+    watch = _fit_watch(learn, 4, Inject(SAVE_VALUES[rank]), SaveModelCallback(fname="best"))
+    out["save"] = {
+        "final": params(learn), "per_epoch": watch.weights, "shards": watch.shards, "saves": saves.n,
+        "best": learn.recorder.values[-1],
+    }  # fmt: skip
+    out["csv"] = open(os.path.join(root, "history.csv")).read() if rank == 0 else None
+
+    # EarlyStoppingCallback, disagreeing values
+    watch = _fit_watch(learn, 4, Inject(STOP_VALUES[rank]), EarlyStoppingCallback(patience=1))
+    out["stop_epochs"] = watch.epochs
+
+    # cost per epoch when nothing is saved
+    watch = _fit_watch(learn, 3)
+    out["seq_deltas"] = [b - a for a, b in zip(watch.seqs, watch.seqs[1:], strict=False)]
+
+    # lr_find: one temporary model, loaded by every rank, removed once
+    before = params(learn)
+    with learn.no_bar(), learn.no_logging(), learn.distrib_ctx(sync_bn=False):
+        learn.lr_find(num_it=6, show_plot=False)
+    out["lr_find"] = {"restored": params(learn) == before, "models": sorted(os.listdir(os.path.join(root, "models")))}
+
+    # export + load_learner, one writer
+    n = saves.n
+    learn.remove_cb(CSVLogger)  # fastai cannot pickle the logger's closed file handle
+    learn.export("export.pkl")
+    loaded = rf.load_learner(os.path.join(root, "export.pkl"), trusted=True)
+    out["export"] = {"saves": saves.n - n, "same": params(loaded) == params(learn)}
+    return out
+
+
+def test_ranksafe_ddp_decisions_writers_and_lr_find(tmp_path):
+    # WORLD_SIZE exported without RANK: stock accelerate would give every process RANK=0 and data shard 0
+    ranks = run_ranks(_ddp_with_ranksafe, 2, args=(str(tmp_path),), env={"WORLD_SIZE": "2"}, timeout=240)
+    r0, r1 = ranks.values
+    assert (r0["env_rank"], r1["env_rank"]) == ("0", "1")
+    for r, v in enumerate((r0, r1)):
+        # data sharding and the DDP wrapper follow the process group
+        assert all(s == ("DistributedDataParallel", r, 2) for s in v["save"]["shards"]), v["save"]["shards"]
+    # SaveModelCallback: rank 0's values decide (best at epoch 2); both ranks end with the epoch-2 weights
+    assert r0["save"]["final"] == r1["save"]["final"] == r0["save"]["per_epoch"][2]
+    assert r0["save"]["per_epoch"][2] != r0["save"]["per_epoch"][3]
+    assert (r0["save"]["saves"], r1["save"]["saves"]) == (2, 0)  # epochs 1 and 2, rank 0 only
+    # CSVLogger: one writer, header + one line per epoch, epochs in order
+    lines = r0["csv"].splitlines()
+    assert lines[0] == "epoch,train_loss,valid_loss,time" and [ln.split(",")[0] for ln in lines[1:]] == list("0123")
+    assert os.listdir(tmp_path).count("history.csv") == 1
+    # EarlyStopping: both ranks stop after the same epoch, no hang
+    assert r0["stop_epochs"] == r1["stop_epochs"] == 2
+    # one small collective per epoch when nothing is saved
+    assert len(r0["seq_deltas"]) == 2 and r0["seq_deltas"] == r1["seq_deltas"], r0["seq_deltas"]
+    assert all(d <= 2 for d in r0["seq_deltas"]), r0["seq_deltas"]
+    # lr_find restored the weights on every rank and left only the saved best model
+    assert r0["lr_find"] == r1["lr_find"] == {"restored": True, "models": ["best.pth"]}
+    assert (r0["export"]["saves"], r1["export"]["saves"]) == (1, 0) and r0["export"]["same"] and r1["export"]["same"]
+
+
+# ------------------------------------------------- run 2: the stock control (fastai's callbacks, CPU fix only)
+
+
+def _ddp_stock(rank, root):
+    from ranksafe.fastai.cpu import prepare_distributed
+
+    prepare_distributed()  # only what it takes for fastai's DDP to run on CPU; no RankSafe
+    torch.manual_seed(rank)
+    learn = _learner(root, False)
+    save = SaveModelCallback(fname="best")
+    _fit_watch(learn, 4, Inject(SAVE_VALUES[rank]), save)
+    out = {"best": save.best, "final": params(learn)}
+    start = time.monotonic()
+    try:
+        watch = _fit_watch(learn, 4, Inject(STOP_VALUES[rank]), EarlyStoppingCallback(patience=1))
+        out["stop_epochs"] = watch.epochs
+        if rank == 0:
+            time.sleep(20)  # stay alive: rank 1 must wait for its peer, not see it exit
+    except Exception as e:
+        out["stop_error"] = (type(e).__name__, time.monotonic() - start)
+    return out
+
+
+def test_stock_fastai_control_disagrees_and_blocks_until_pg_timeout(tmp_path):
+    ranks = run_ranks(_ddp_stock, 2, args=(str(tmp_path),), env={"TEST_PG_TIMEOUT": "10"}, timeout=240)
+    r0, r1 = ranks.values
+    # rank 1 believes its epoch 3 (0.05) was best, rank 0 its epoch 2 (0.4): they load one file regardless
+    assert (r0["best"], r1["best"]) == (0.4, 0.05)
+    # rank 0 stops after epoch 1; rank 1 goes on into the next epoch and is stuck until the PG timeout
+    assert r0["stop_epochs"] == 2
+    assert "stop_error" in r1, r1
+    assert r1["stop_error"][1] >= 9, r1["stop_error"]
