@@ -1,0 +1,299 @@
+"""AsyncSaver: the file holds the state as it was at save(), failures reach every rank within one step,
+warm-up fails early everywhere, nothing leaks or is lost at exit."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import ranksafe
+from ranksafe.async_save import AsyncSaver
+from ranksafe.files import atomic_save, load_file
+from ranksafe.snapshot import StateDictLock
+from tests.ranks import run_ranks
+
+
+def _state(n=200, size=64):
+    torch.manual_seed(0)
+    return {"model": {f"w{i}": torch.randn(size) for i in range(n)}, "step": 7, "opt": {"lr": [0.1]}}
+
+
+def _mutate(state):
+    for t in state["model"].values():
+        t.add_(1000)
+    state["step"] = 8
+    state["opt"]["lr"][0] = 99.0
+
+
+def _count_pre_mutation(path, reference):
+    back = load_file(path)
+    return sum(torch.equal(back["model"][k], v) for k, v in reference["model"].items()), back
+
+
+def _gated_writer(gate: threading.Event, path: str):
+    def write(obj):
+        assert gate.wait(10)
+        return atomic_save(obj, path)
+
+    return write
+
+
+def test_file_holds_the_state_at_save_time_and_a_write_without_snapshot_does_not(tmp_path):
+    state = _state()
+    reference = {"model": {k: v.clone() for k, v in state["model"].items()}}
+    n = len(state["model"])
+
+    # control: the naive pattern (hand the live state to a writer thread) writes what the state became
+    gate, naive = threading.Event(), str(tmp_path / "naive.pt")
+    t = threading.Thread(target=_gated_writer(gate, naive), args=(state,))
+    t.start()
+    _mutate(state)
+    gate.set()
+    t.join(10)
+    same, back = _count_pre_mutation(naive, reference)
+    assert same == 0 and back["step"] == 8, "the control should have caught the race"
+
+    # ours, with the write held back until after the mutation: the snapshot still has the old values
+    state = _state()
+    saver, gate, path = AsyncSaver(), threading.Event(), str(tmp_path / "ours.pt")
+    assert saver.submit(state, _gated_writer(gate, path))
+    _mutate(state)
+    gate.set()
+    saver.close()
+    same, back = _count_pre_mutation(path, reference)
+    assert same == n and back["step"] == 7 and back["opt"] == {"lr": [0.1]}
+
+    # and through save() with no gate, mutating at once
+    state = _state()
+    path = str(tmp_path / "sub" / "plain.pt")  # parent created by the background writer
+    assert saver.save(state, path)
+    _mutate(state)
+    saver.close()
+    same, back = _count_pre_mutation(path, reference)
+    assert same == n and back["step"] == 7
+
+
+def _step(state, lock, half_done: threading.Event, go_on: threading.Event):
+    """An optimizer step that updates half the tensors, pauses, then updates the rest."""
+    names = list(state["model"])
+    with lock.write() if lock else _nothing():
+        for k in names[: len(names) // 2]:
+            state["model"][k].add_(1)
+        half_done.set()
+        assert go_on.wait(10)
+        for k in names[len(names) // 2 :]:
+            state["model"][k].add_(1)
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _save_during_step(tmp_path, name, lock):
+    state = _state(n=20)
+    before = {k: v.clone() for k, v in state["model"].items()}
+    saver = AsyncSaver(lock=lock)
+    half_done, go_on = threading.Event(), threading.Event()
+    stepper = threading.Thread(target=_step, args=(state, lock, half_done, go_on))
+    stepper.start()
+    assert half_done.wait(10)
+    path = str(tmp_path / f"{name}.pt")
+    saving = threading.Thread(target=saver.save, args=(state, path))
+    saving.start()
+    saving.join(0.5)
+    blocked = saving.is_alive()  # still waiting for the step's write side?
+    go_on.set()
+    stepper.join(10)
+    saving.join(10)
+    saver.close()
+    back = load_file(path)["model"]
+    updated = sum(torch.equal(back[k], before[k] + 1) for k in before)
+    return blocked, updated, len(before)
+
+
+def test_a_snapshot_during_a_step_waits_for_the_step(tmp_path):
+    blocked, updated, n = _save_during_step(tmp_path, "nolock", None)  # control: half-updated weights
+    assert not blocked and 0 < updated < n
+    blocked, updated, n = _save_during_step(tmp_path, "locked", StateDictLock())
+    assert blocked and updated == n
+
+
+def test_policies_wait_or_skip_when_a_save_is_in_flight(tmp_path):
+    state = _state(n=4)
+    gate = threading.Event()
+    skip = AsyncSaver(policy="skip")
+    assert skip.submit(state, _gated_writer(gate, str(tmp_path / "a.pt")))
+    assert skip.save(state, tmp_path / "b.pt") is False  # dropped, returned at once
+    gate.set()
+    skip.close()
+    assert os.path.exists(tmp_path / "a.pt") and not os.path.exists(tmp_path / "b.pt")
+
+    gate = threading.Event()
+    wait = AsyncSaver(policy="wait")
+    assert wait.submit(state, _gated_writer(gate, str(tmp_path / "c.pt")))
+    second = threading.Thread(target=wait.save, args=(state, tmp_path / "d.pt"))
+    second.start()
+    second.join(0.3)
+    assert second.is_alive()  # waits for the first write
+    gate.set()
+    second.join(10)
+    wait.close()
+    assert os.path.exists(tmp_path / "c.pt") and os.path.exists(tmp_path / "d.pt")
+    with pytest.raises(ValueError):
+        AsyncSaver(policy="later")
+
+
+def test_on_commit_runs_after_the_commit_so_retention_never_removes_the_last_checkpoint(tmp_path):
+    seen = []
+
+    def retain(path):  # keep one: delete older files only once the new one is committed
+        seen.append((path, os.path.exists(path), sorted(os.listdir(tmp_path))))
+        for name in os.listdir(tmp_path):
+            if os.path.join(tmp_path, name) != path:
+                os.unlink(tmp_path / name)
+
+    saver = AsyncSaver(on_commit=retain)
+    for step in range(3):
+        saver.save(_state(n=4), str(tmp_path / f"{step}.pt"))
+        saver.wait()
+    saver.close()
+    assert [s[1] for s in seen] == [True, True, True]
+    assert seen[1][2] == ["0.pt", "1.pt"] and seen[2][2] == ["1.pt", "2.pt"]  # the previous one was still there
+    assert os.listdir(tmp_path) == ["2.pt"]
+
+
+def test_single_process_failure_is_flagged_then_raised_once_as_the_original_error(tmp_path):
+    (tmp_path / "file").write_text("x")
+    saver = AsyncSaver()
+    assert saver.save(_state(n=2), tmp_path / "file" / "ckpt.pt")  # a file where a directory must go
+    saver.wait()
+    assert saver.failed
+    with pytest.raises((FileExistsError, NotADirectoryError)):
+        saver.check()
+    assert not saver.failed
+    saver.check()  # reported once
+
+
+def _background_failure(rank, root, steps):
+    """A training loop that checks the saver every step; rank 0 writes into a path that cannot exist."""
+    saver = AsyncSaver()
+    local_flag_seen, failed_at = None, None
+    for step in range(steps):
+        time.sleep(0.05)  # the step's work
+        if step == 2:
+            saver.save({"w": torch.randn(1000)}, os.path.join(root, "file", "ckpt.pt"))
+        if saver.failed and local_flag_seen is None:
+            local_flag_seen = step
+        try:
+            saver.check()
+        except ranksafe.RankFailure as e:
+            failed_at = step
+            err = {"ranks": e.ranks, "os": isinstance(e, OSError), "msg": str(e)}
+            break
+    else:
+        err = None
+    saver.close()
+    return {"failed_at": failed_at, "local_flag_seen": local_flag_seen, "err": err}
+
+
+def test_a_background_failure_is_raised_on_every_rank_within_one_step(tmp_path):
+    (tmp_path / "file").write_text("a file where the checkpoint directory must go")
+    values = run_ranks(_background_failure, 2, args=(str(tmp_path), 40), timeout=60).values
+    at = {v["failed_at"] for v in values}
+    assert len(at) == 1 and None not in at, values  # same step on every rank
+    step = at.pop()
+    assert 2 <= step <= 30
+    # rank 0 saw its own failure locally at most one step before everyone raised it
+    assert values[0]["local_flag_seen"] is None or values[0]["local_flag_seen"] >= step - 1
+    # control: rank 1 never learns of it by itself; only the agreed check brought it the error
+    assert values[1]["local_flag_seen"] is None
+    for v in values:
+        assert v["err"]["ranks"] == [0] and v["err"]["os"], v["err"]
+        assert "cannot save" in v["err"]["msg"] and "ckpt.pt (rank 0)" in v["err"]["msg"]  # names the target
+
+
+def _warmup(rank, root):
+    saver = AsyncSaver()
+    start = time.monotonic()
+    try:
+        saver.warmup({"w": torch.randn(100)}, os.path.join(root, "file", "ckpts"))
+    except ranksafe.RankFailure as e:
+        return {"ranks": e.ranks, "os": isinstance(e, OSError), "s": time.monotonic() - start, "msg": str(e)}
+    return "no error"
+
+
+def test_warmup_fails_on_every_rank_when_the_directory_cannot_be_written(tmp_path):
+    (tmp_path / "file").write_text("x")
+    values = run_ranks(_warmup, 2, args=(str(tmp_path),)).values
+    for v in values:
+        assert v != "no error"
+        assert v["ranks"] == [0] and v["os"] and v["s"] < 10 and "cannot write checkpoints" in v["msg"]
+
+
+def test_warmup_allocates_the_buffers_and_leaves_no_file(tmp_path):
+    saver = AsyncSaver()
+    state = _state(n=10)
+    saver.warmup(state, tmp_path / "ckpts")
+    assert saver.staging.allocations == 1 and saver.staging.nbytes == 10 * 64 * 4
+    assert os.listdir(tmp_path / "ckpts") == []
+    saver.save(state, tmp_path / "ckpts" / "a.pt")
+    saver.close()
+    assert saver.staging.allocations == 1  # the first save reused the warm-up's buffers
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_twenty_saves_grow_neither_memory_nor_threads(tmp_path):
+    state = {"model": {f"w{i}": torch.randn(256, 256) for i in range(64)}}  # 16 MiB
+    saver = AsyncSaver()
+    threads_before = threading.active_count()
+    saver.save(state, tmp_path / "0.pt")
+    saver.wait()
+    rss = _rss()
+    peak_threads = 0
+    for i in range(1, 21):
+        saver.save(state, tmp_path / f"{i % 2}.pt")
+        peak_threads = max(peak_threads, threading.active_count())
+        state["model"]["w0"].add_(1)
+    saver.close()
+    growth = _rss() - rss
+    assert saver.staging.allocations == 1
+    assert growth < 4 << 20, f"resident memory grew by {growth / 2**20:.1f} MiB over 20 saves"
+    assert peak_threads <= threads_before + 1 and threading.active_count() == threads_before
+
+
+_EXIT_SCRIPT = """
+import sys, time, torch
+from ranksafe.async_save import AsyncSaver
+from ranksafe.files import atomic_save
+
+def slow(obj):
+    time.sleep(1.0)
+    return atomic_save(obj, sys.argv[1])
+
+AsyncSaver().submit({"w": torch.arange(10.0)}, slow)
+print("exiting", flush=True)
+"""
+
+
+def test_interpreter_exit_waits_for_the_write_in_flight(tmp_path):
+    path = tmp_path / "last.pt"
+    out = subprocess.run(
+        [sys.executable, "-c", _EXIT_SCRIPT, str(path)], capture_output=True, text=True, timeout=60, cwd=os.getcwd()
+    )
+    assert out.returncode == 0, out.stderr
+    assert "exiting" in out.stdout
+    assert torch.equal(load_file(path)["w"], torch.arange(10.0))
