@@ -1,0 +1,113 @@
+"""One monitored value for every rank, so that ModelCheckpoint and EarlyStopping decide the same way.
+
+A metric logged without ``sync_dist=True`` holds each rank's own value. ModelCheckpoint then formats a
+different file name on each rank (only rank 0's file exists, the others' ``best_model_path`` points at
+nothing), keeps a different top-k, and EarlyStopping's patience counters drift apart. ranksafe gathers the
+monitored value from every rank at the moment a monitoring callback reads it, warns once per metric when the
+values differ, and hands every rank the same value: by default their mean, which is what ``sync_dist=True``
+would have logged; ``op="main"`` takes rank 0's value instead.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+
+from .. import topology
+from ..collectives import all_gather
+
+MonitorOp = Literal["mean", "main", "max", "min"]
+
+
+class UnsyncedMetricWarning(UserWarning):
+    """A monitored metric differs across ranks (logged without ``sync_dist=True``)."""
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, torch.Tensor):
+        return float(value.detach().float().mean()) if value.numel() else None
+    if isinstance(value, (int, float)):
+        return float(value)
+    return None
+
+
+def _same(values: list[float]) -> bool:
+    first = values[0]
+    return all(v == first or (math.isnan(v) and math.isnan(first)) for v in values)
+
+
+def _reduce(values: list[float], op: MonitorOp) -> float:
+    if op == "main":
+        return values[0]
+    if any(math.isnan(v) for v in values):
+        return math.nan
+    if op == "mean":
+        return sum(values) / len(values)
+    return max(values) if op == "max" else min(values)
+
+
+class MonitorAgreement:
+    """Agrees monitored values across ranks; one small collective per read, warns once per metric name."""
+
+    def __init__(self, op: MonitorOp = "mean"):
+        if op not in ("mean", "main", "max", "min"):
+            raise ValueError(f"op must be 'mean', 'main', 'max' or 'min', not {op!r}")
+        self.op = op
+        self._warned: set[str] = set()
+
+    def agree(self, name: str, value: Any) -> Any:
+        """Every rank's ``value`` of metric ``name`` reduced to one; the input's type, dtype and device kept.
+
+        ``value`` may be None on ranks that did not log the metric: they receive the agreed value of the
+        others (and a warning), instead of skipping a collective the others enter.
+        """
+        mine = _number(value)
+        gathered = all_gather(mine, name=f"monitor {name}")
+        present = [v for v in gathered if v is not None]
+        if not present:
+            return value
+        if self.op == "main" and gathered[0] is None:
+            raise ValueError(f"monitored metric {name!r} was not logged on rank 0; it cannot be agreed with op='main'")
+        missing = len(present) < len(gathered)
+        if (missing or not _same(present)) and name not in self._warned:
+            self._warned.add(name)
+            if topology.is_main():
+                detail = "was not logged on every rank" if missing else f"differs across ranks ({_show(gathered)})"
+                warnings.warn(
+                    f"monitored metric {name!r} {detail}: log it with self.log(..., sync_dist=True). "
+                    f"ranksafe gives every rank the {self.op} value so that checkpoint and stopping decisions agree.",
+                    UnsyncedMetricWarning,
+                    stacklevel=2,
+                )
+        agreed = _reduce(gathered if self.op == "main" else present, self.op)
+        if isinstance(value, torch.Tensor):
+            return torch.tensor(agreed, dtype=value.dtype, device=value.device)
+        return torch.tensor(agreed) if value is None else type(value)(agreed)
+
+    def wrap_candidates(self, read: Callable[[Any], dict[str, Any]], monitor: str) -> Callable[[Any], dict[str, Any]]:
+        """Wrap ModelCheckpoint's ``_monitor_candidates(trainer)`` so its monitored entry is agreed."""
+
+        def agreed_candidates(trainer: Any) -> dict[str, Any]:
+            candidates = read(trainer)
+            value = self.agree(monitor, candidates.get(monitor))
+            if value is not None:
+                candidates[monitor] = value
+            return candidates
+
+        return agreed_candidates
+
+    def wrap_criteria(self, evaluate: Callable[[torch.Tensor], Any], monitor: str) -> Callable[[torch.Tensor], Any]:
+        """Wrap EarlyStopping's ``_evaluate_stopping_criteria(current)`` so ``current`` is agreed."""
+
+        def agreed_criteria(current: torch.Tensor) -> Any:
+            return evaluate(self.agree(monitor, current))
+
+        return agreed_criteria
+
+
+def _show(values: list[float | None]) -> str:
+    return ", ".join(f"rank {r}: {'missing' if v is None else f'{v:.6g}'}" for r, v in enumerate(values))
