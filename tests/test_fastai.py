@@ -28,6 +28,7 @@ from fastai.tabular.all import (
     pd,
 )
 
+import ranksafe
 import ranksafe.fastai as rf
 from ranksafe import collectives
 from ranksafe.fastai import RankSafe
@@ -139,7 +140,8 @@ def _ddp_with_ranksafe(rank, root):
         "final": params(learn), "per_epoch": watch.weights, "shards": watch.shards, "saves": saves.n,
         "best": learn.recorder.values[-1],
     }  # fmt: skip
-    out["csv"] = open(os.path.join(root, "history.csv")).read() if rank == 0 else None
+    with open(os.path.join(root, "history.csv")) as f:
+        out["csv"] = f.read()
 
     # EarlyStoppingCallback, disagreeing values
     watch = _fit_watch(learn, 4, Inject(STOP_VALUES[rank]), EarlyStoppingCallback(patience=1))
@@ -207,18 +209,102 @@ def _ddp_stock(rank, root):
         watch = _fit_watch(learn, 4, Inject(STOP_VALUES[rank]), EarlyStoppingCallback(patience=1))
         out["stop_epochs"] = watch.epochs
         if rank == 0:
-            time.sleep(20)  # stay alive: rank 1 must wait for its peer, not see it exit
+            time.sleep(12)  # stay alive: rank 1 must wait for its peer, not see it exit
     except Exception as e:
         out["stop_error"] = (type(e).__name__, time.monotonic() - start)
     return out
 
 
 def test_stock_fastai_control_disagrees_and_blocks_until_pg_timeout(tmp_path):
-    ranks = run_ranks(_ddp_stock, 2, args=(str(tmp_path),), env={"TEST_PG_TIMEOUT": "10"}, timeout=240)
+    ranks = run_ranks(_ddp_stock, 2, args=(str(tmp_path),), env={"TEST_PG_TIMEOUT": "6"}, timeout=240)
     r0, r1 = ranks.values
     # rank 1 believes its epoch 3 (0.05) was best, rank 0 its epoch 2 (0.4): they load one file regardless
     assert (r0["best"], r1["best"]) == (0.4, 0.05)
     # rank 0 stops after epoch 1; rank 1 goes on into the next epoch and is stuck until the PG timeout
     assert r0["stop_epochs"] == 2
     assert "stop_error" in r1, r1
-    assert r1["stop_error"][1] >= 9, r1["stop_error"]
+    assert 5 <= r1["stop_error"][1] < 12, r1["stop_error"]  # bounded only by the process-group timeout (6 s)
+
+
+# ----------------------------------------- run 3: mp.spawn without any launcher variable: writers and readers
+
+
+def _text_learner(root):
+    from fastai.text.all import AWD_LSTM, DataLoaders, TextLearner, awd_lstm_lm_config, get_language_model
+    from torch.utils.data import TensorDataset
+
+    class MyLearner(rf.RankSafeLearner, TextLearner):
+        pass
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 20, (16, 6), generator=g), torch.randint(0, 20, (16, 6), generator=g)
+    dls = DataLoaders.from_dsets(TensorDataset(x, y), TensorDataset(x, y), bs=8, device="cpu")
+    model = get_language_model(AWD_LSTM, 20, config=dict(awd_lstm_lm_config, emb_sz=8, n_hid=8, n_layers=1))
+    from fastai.text.all import CrossEntropyLossFlat
+
+    return MyLearner(dls, model, loss_func=CrossEntropyLossFlat(), path=root)
+
+
+def _outcome(fn):
+    start = time.monotonic()
+    try:
+        fn()
+        return {"error": None}
+    except Exception as e:
+        names = [t.__name__ for t in type(e).__mro__]
+        return {"error": names, "seconds": time.monotonic() - start, "ranks": getattr(e, "ranks", None)}
+
+
+def _spawned_writers_and_readers(rank, root):
+    saves = CountSaves()
+    out = {"env_rank": os.environ.get("RANK")}
+    torch.manual_seed(rank)
+    learn = _text_learner(os.path.join(root, "text"))
+    out["has_callback"] = any(isinstance(cb, RankSafe) for cb in learn.cbs)
+    encoder = lambda: torch.cat([p.detach().flatten() for p in get_model(learn.model)[0].parameters()]).tolist()  # noqa: E731
+    out["differ_before"] = ranksafe.all_gather(encoder())
+    learn.save_encoder("enc")
+    out["encoder_saves"] = saves.n
+    learn.load_encoder("enc")
+    out["encoder"] = encoder()
+
+    tab = _learner(os.path.join(root, "tab"), True)
+    n = saves.n
+    preds = os.path.join(root, "preds")
+    if rank == 0:
+        os.makedirs(preds)
+    ranksafe.barrier("preds dir")
+    tab.get_preds(save_preds=preds)
+    out["preds"] = {"saves": saves.n - n, "files": sorted(os.listdir(preds))}
+
+    # a write that fails on rank 0 only: a file stands where the models directory must go
+    bad = os.path.join(root, "bad")
+    if rank == 0:
+        os.makedirs(bad)
+        open(os.path.join(bad, "models"), "w").close()
+    ranksafe.barrier("bad dir")
+    out["failed_save"] = _outcome(lambda: _learner(bad, True).save("x"))
+    out["missing_load"] = _outcome(lambda: tab.load("missing"))
+    out["untrusted"] = _outcome(lambda: rf.load_learner(os.path.join(root, "any.pkl")))
+    return out
+
+
+def test_spawned_without_rank_one_writer_shared_failures(tmp_path):
+    r0, r1 = run_ranks(_spawned_writers_and_readers, 2, args=(str(tmp_path),), timeout=180).values
+    assert r0["env_rank"] is None and r1["env_rank"] is None  # nothing told fastai the rank
+    assert r0["has_callback"] and r1["has_callback"]  # the mixin adds RankSafe for the decisions
+    # save_encoder: one writer; load_encoder: every rank ends with rank 0's encoder
+    assert r0["differ_before"][0] != r0["differ_before"][1]
+    assert (r0["encoder_saves"], r1["encoder_saves"]) == (1, 0)
+    assert r0["encoder"] == r1["encoder"] == r0["differ_before"][0]
+    assert os.listdir(tmp_path / "text" / "models") == ["enc.pth"]
+    # get_preds(save_preds=...): 2 validation batches written once each
+    assert (r0["preds"]["saves"], r1["preds"]["saves"]) == (2, 0) and r0["preds"]["files"] == ["0", "1"]
+    # failures are raised on both ranks, fast, naming rank 0, as the built-in type too
+    for v in (r0, r1):
+        f = v["failed_save"]
+        assert f["error"] and "RankFailure" in f["error"] and "FileExistsError" in f["error"], f
+        assert f["ranks"] == [0] and f["seconds"] < 5
+        m = v["missing_load"]
+        assert "RankFailure" in m["error"] and "FileNotFoundError" in m["error"] and m["seconds"] < 5, m
+        assert "UntrustedCheckpoint" in v["untrusted"]["error"]
