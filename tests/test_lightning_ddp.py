@@ -1,0 +1,148 @@
+"""Real ``Trainer(accelerator="cpu", strategy="ddp", devices=2)`` runs: failures, kills, resume, top-k.
+
+Each run is tests/lightning_scripts/ddp_run.py started as a fresh script (Lightning's "ddp" launcher re-runs
+it for rank 1) in its own session, with a hard deadline after which the whole session is killed. Runs are few
+and each checks several claims: a Lightning DDP start costs ~10 s on two cores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+import ranksafe
+from tests.ranks import LAUNCH_VARS
+
+SCRIPT = Path(__file__).parent / "lightning_scripts" / "ddp_run.py"
+DEADLINE = 150  # seconds for one run; a hang is killed and fails the test instead of blocking CI
+
+
+@dataclass
+class Run:
+    out: Path
+    proc: subprocess.Popen
+    output: str = ""
+    hung: bool = False
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return self.out / "ckpts"
+
+    def rank(self, r: int) -> dict:
+        path = self.out / f"rank{r}.json"
+        assert path.exists(), f"rank {r} reported nothing (hung={self.hung}); output:\n{self.output[-4000:]}"
+        return json.loads(path.read_text())
+
+    def fault_time(self) -> float:
+        return json.loads((self.out / "fault.json").read_text())["t"]
+
+
+def start(out: Path, *flags: str) -> Run:
+    out.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}  # else Lightning would launch nothing
+    env["RANKSAFE_TIMEOUT"] = "30"
+    cmd = [sys.executable, str(SCRIPT), "--out", str(out), *flags]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    return Run(out, proc)
+
+
+def finish(run: Run, timeout: float = DEADLINE) -> Run:
+    """Wait for the run (rank 1 holds the output pipe too, so this waits for both ranks), then kill leftovers."""
+    try:
+        run.output = run.proc.communicate(timeout=timeout)[0].decode(errors="replace")
+    except subprocess.TimeoutExpired:
+        run.hung = True
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(run.proc.pid, signal.SIGKILL)
+        if run.hung:
+            run.output = run.proc.communicate()[0].decode(errors="replace")
+    return run
+
+
+@pytest.fixture(scope="module")
+def stock_controls(tmp_path_factory):
+    """Stock Lightning with rank 0's first write failing, started early: they spend most of their time waiting."""
+    base = tmp_path_factory.mktemp("stock")
+    common = ("--stock", "--fail-save", "1", "--pg-timeout", "10")
+    runs = {
+        "stay": start(base / "stay", *common, "--after-fail", "stay"),
+        "exit": start(base / "exit", *common, "--after-fail", "exit"),
+    }
+    yield runs
+    for run in runs.values():
+        finish(run)
+
+
+@pytest.mark.parametrize("after_fail", ["stay", "exit"])
+def test_write_failure_on_rank0_raises_on_every_rank_within_5s(tmp_path, after_fail, stock_controls):
+    run = finish(start(tmp_path, "--fail-save", "1", "--after-fail", after_fail))
+    assert not run.hung
+    t_fault = run.fault_time()
+    ranks = [run.rank(0), run.rank(1)]
+    for r, result in enumerate(ranks):
+        assert result["error_type"] and "RankFailure" in result["error_type"], (r, result)
+        assert "OSError" in result["error_type"], "every rank can catch the writer's error type"
+        assert "failed on rank 0" in result["error"] and "No space left on device (injected)" in result["error"]
+        assert result["t_raised"] - t_fault < 5, (r, result["t_raised"] - t_fault)
+    # the monitored value was agreed before the save: every rank names the same checkpoint
+    assert ranks[0]["best_model_path"] == ranks[1]["best_model_path"]
+    assert not list(run.ckpt_dir.glob("*.ckpt")) and not list(run.ckpt_dir.glob(".*"))
+
+
+def test_stock_lightning_control_hangs_or_loses_the_cause(stock_controls):
+    stay, died = (finish(stock_controls[k]) for k in ("stay", "exit"))
+    # rank 0 alive after its failed write: rank 1 waits in the barrier until the process-group timeout (10 s)
+    waited = stay.rank(1)["t_raised"] - stay.fault_time()
+    assert waited >= 9, waited
+    assert "Timed out" in stay.rank(1)["error"]
+    # rank 0 exits: rank 1 gets a connection error from gloo or the store ("Connection closed by peer", or a
+    # socket timeout when it next reaches for the store), with nothing about the cause
+    lost = died.rank(1)
+    assert lost["error"] and "RankFailure" not in lost["error_type"]
+    assert "No space left" not in lost["error"] and "rank 0" not in lost["error"], lost["error"]
+    # unsynced metric: each rank names a different "best" file; rank 1's can never exist
+    assert died.rank(0)["best_model_path"] != lost["best_model_path"]
+
+
+def test_sigkill_mid_save_keeps_previous_checkpoint_then_resume_from_last(tmp_path):
+    # Saves go: epoch0 top-k, last, epoch1 top-k, last, epoch2 top-k <- the writer is SIGKILLed inside this one
+    killed = finish(start(tmp_path, "--epochs", "4", "--kill-save", "5"))
+    assert not killed.hung
+    assert killed.proc.returncode == -signal.SIGKILL
+    survivor = killed.rank(1)
+    assert "RankFailure" in survivor["error_type"] and "lost the rendezvous store" in survivor["error"]
+    assert survivor["t_raised"] - killed.fault_time() < 5
+    debris = list(killed.ckpt_dir.glob(f".*{ranksafe.files.TMP_SUFFIX}"))
+    assert len(debris) == 1 and "epoch=2" in debris[0].name, debris  # killed mid-write: its temporary remains
+    assert not list(killed.ckpt_dir.glob("epoch=2*"))  # ... and never became a checkpoint
+    last = killed.ckpt_dir / "last.ckpt"
+    assert ranksafe.verify_file(last) is True
+    assert torch.load(last, weights_only=True)["global_step"] == 4  # the previous save, intact
+    assert "monitored metric 'val_score' differs across ranks" in killed.output
+
+    resumed = finish(start(tmp_path, "--epochs", "4", "--resume"))
+    assert not resumed.hung and resumed.proc.returncode == 0, resumed.output[-4000:]
+    r0, r1 = resumed.rank(0), resumed.rank(1)
+    for result in (r0, r1):
+        assert result["error"] is None
+        assert result["ckpt_path"] == str(last) and result["start_step"] == 4 and result["global_step"] == 8
+    # agreed metric: identical best path, top-k and EarlyStopping state on both ranks, and the files exist
+    assert (r0["best_model_path"], r0["best_k"], r0["es_best"]) == (r1["best_model_path"], r1["best_k"], r1["es_best"])
+    assert r0["es_best"] == pytest.approx(7.25)  # mean of the ranks' 7.0 and 7.5
+    names = sorted(p.name for p in resumed.ckpt_dir.iterdir())
+    assert names == ["epoch=2-val_score=8.25.ckpt", "epoch=3-val_score=7.25.ckpt", "last.ckpt"]  # k=2, + last
+    assert [Path(p).name for p in r0["best_k"]] == names[:2]
+    for name in names:
+        assert ranksafe.verify_file(resumed.ckpt_dir / name) is True
+    manual = tmp_path / "manual.ckpt"  # trainer.save_checkpoint from user code, on every rank
+    assert ranksafe.verify_file(manual) is True and torch.load(manual, weights_only=True)["global_step"] == 8
