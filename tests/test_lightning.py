@@ -1,0 +1,153 @@
+"""ranksafe.lightning in one process (stock behaviour and files, corrupt files refused, no collectives
+without a process group) and MonitorAgreement on real ranks."""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins import TorchCheckpointIO
+
+import ranksafe
+from ranksafe.lightning import MonitorAgreement, RankSafe, RankSafeCheckpointIO, UnsyncedMetricWarning
+from tests.ranks import run_ranks
+
+
+class Model(pl.LightningModule):
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.layer = torch.nn.Linear(width, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.layer(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.layer(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _loader():
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g))
+    return torch.utils.data.DataLoader(data, batch_size=4)
+
+
+def _fit(root, ranksafe_on: bool, epochs: int = 3, ckpt_path=None, overwrite: bool = False) -> pl.Trainer:
+    torch.manual_seed(0)
+    checkpoint = ModelCheckpoint(dirpath=root, monitor="val_loss", save_top_k=2, save_last=True)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_epochs=epochs, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, deterministic=True,
+        callbacks=[checkpoint, RankSafe(overwrite=overwrite)] if ranksafe_on else [checkpoint],
+        plugins=[RankSafeCheckpointIO()] if ranksafe_on else [],
+    )  # fmt: skip
+    trainer.fit(Model(), _loader(), _loader(), ckpt_path=ckpt_path)
+    return trainer
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("single")
+    stock, ours = _fit(root / "stock", False), _fit(root / "ours", True)
+    return root, stock, ours
+
+
+def test_one_process_same_files_and_state_as_stock(runs):
+    root, stock, ours = runs
+    names = sorted(os.listdir(root / "stock"))
+    assert names == sorted(os.listdir(root / "ours")) and "last.ckpt" in names and len(names) == 3
+    best = stock.checkpoint_callback.best_model_path
+    assert best.replace("stock", "ours") == ours.checkpoint_callback.best_model_path
+    for name in names:
+        a = torch.load(root / "stock" / name, weights_only=True)
+        b = torch.load(root / "ours" / name, weights_only=True)  # stock torch.load reads ranksafe's files
+        assert a.keys() == b.keys() and (a["epoch"], a["global_step"]) == (b["epoch"], b["global_step"])
+        for key, tensor in a["state_dict"].items():
+            assert torch.equal(tensor, b["state_dict"][key]), (name, key)
+        assert ranksafe.verify_file(root / "ours" / name) is True  # ours carries the integrity footer
+        assert ranksafe.verify_file(root / "stock" / name) is False  # stock's has none
+    model = Model.load_from_checkpoint(root / "ours" / "last.ckpt")
+    assert torch.equal(model.layer.weight, ours.lightning_module.layer.weight)
+
+
+def test_corrupt_or_torn_checkpoint_refused_naming_the_file(runs, tmp_path):
+    root, _, _ = runs
+    data = (root / "ours" / "last.ckpt").read_bytes()
+    torn, flipped = tmp_path / "torn.ckpt", tmp_path / "flipped.ckpt"
+    torn.write_bytes(data[: len(data) // 2])
+    offset = data.index(b"data/0") + 200  # inside the first tensor's bytes
+    flipped.write_bytes(data[:offset] + bytes([data[offset] ^ 0xFF]) + data[offset + 1 :])
+    io = RankSafeCheckpointIO()
+    for path in (torn, flipped):
+        with pytest.raises(ranksafe.CorruptCheckpoint, match=re.escape(str(path))):
+            io.load_checkpoint(path)
+    # control: stock Lightning loads the bit-flipped file without a word, with wrong values
+    assert TorchCheckpointIO().load_checkpoint(flipped)["state_dict"]
+    # through the Trainer: refused before anything is restored
+    with pytest.raises(ranksafe.CorruptCheckpoint, match=re.escape("flipped.ckpt")):
+        _fit(tmp_path / "resume", True, ckpt_path=flipped)
+
+
+def test_io_uses_no_collectives_without_a_process_group(tmp_path, monkeypatch):
+    # a ddp_spawn parent, or a rank before init: the launcher says 2 processes, no process group exists
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(RuntimeError, match=re.escape("no torch.distributed process group")):
+        ranksafe.barrier("control")  # a collective here would fail: the IO must not use any
+    io = RankSafeCheckpointIO()
+    path = tmp_path / "sub" / ".temp.ckpt"
+    io.save_checkpoint({"weights": torch.arange(3)}, path)  # a bare dict, as the spawn launcher sends
+    assert torch.equal(io.load_checkpoint(path)["weights"], torch.arange(3))
+    io.remove_checkpoint(path)
+    io.remove_checkpoint(path)  # missing: no error, as stock
+    assert not path.exists()
+    with pytest.raises(TypeError, match="storage_options"):
+        io.save_checkpoint({}, path, storage_options={"x": 1})
+
+
+def test_overwrite_empties_the_checkpoint_dir_unless_resuming(tmp_path):
+    root = tmp_path / "ckpts"
+    root.mkdir()
+    (root / "stale.ckpt").write_bytes(b"old run")
+    _fit(root, True, epochs=1)
+    assert (root / "stale.ckpt").exists()  # default: left alone, as stock Lightning does
+    _fit(root, True, epochs=1, overwrite=True)
+    assert not (root / "stale.ckpt").exists() and (root / "last.ckpt").exists()
+    (root / "stale.ckpt").write_bytes(b"old run")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = _fit(root, True, epochs=2, overwrite=True, ckpt_path=root / "last.ckpt")
+    assert trainer.global_step == 8 and (root / "stale.ckpt").exists()
+    assert any("resumes from it" in str(w.message) for w in caught)
+
+
+def _agree_metrics(rank, op):
+    monitors = MonitorAgreement(op)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        differing = monitors.agree("val_loss", torch.tensor([1.0, 3.0][rank]))
+        again = monitors.agree("val_loss", torch.tensor([1.0, 3.0][rank]))  # warned once per name
+        synced = monitors.agree("acc", torch.tensor(0.5))
+        missing = monitors.agree("val_f1", None if rank == 1 else torch.tensor(0.25))
+    warned = [str(w.message) for w in caught if issubclass(w.category, UnsyncedMetricWarning)]
+    return float(differing), float(again), float(synced), float(missing), warned
+
+
+def test_monitor_agreement_on_real_ranks():
+    for op, expected in (("mean", 2.0), ("main", 1.0)):
+        values = run_ranks(_agree_metrics, 2, args=(op,)).values
+        for differing, again, synced, missing, _ in values:
+            assert (differing, again, synced, missing) == (expected, expected, 0.5, 0.25)
+        warned = values[0][4]
+        assert len(warned) == 2 and "'val_loss' differs across ranks" in warned[0] and "'val_f1'" in warned[1]
+        assert values[1][4] == []  # warnings on rank 0 only
