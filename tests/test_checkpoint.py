@@ -1,0 +1,271 @@
+"""CheckpointManager on real ranks: node-local copies, agreed latest, crash debris, retention, costs per save.
+
+Simulated nodes come from tests/test_storage.py: the same path reaches a different directory per node.
+"""
+
+from __future__ import annotations
+
+import builtins
+import io
+import os
+import pathlib
+import signal
+import warnings
+
+import pytest
+import torch
+
+import ranksafe
+from ranksafe import collectives
+from ranksafe.checkpoint import AtomicDir, CheckpointManager, list_steps, verify_step
+from tests.ranks import run_ranks
+from tests.test_storage import as_node, node_disk
+
+
+def _state(step: int) -> dict:
+    return {"w": torch.full((8,), float(step)), "step": torch.tensor(step)}
+
+
+def _two_nodes(rank, base):
+    root = as_node(rank, 2, base)
+    mgr = CheckpointManager(root, keep=2)
+    mgr.save(1, _state(1), extra_files={"meta.json": '{"run": 1}'})
+    mgr.save(2, _state(2))
+    with mgr.saving(3, {"state.pt": _state(3)}) as tx:  # side state of every rank, written beside the state
+        tx.save({"rng": torch.tensor([rank, 3])}, f"rng-{rank}.pt")
+    resumed = CheckpointManager(root, keep=2)  # a restarted job
+    latest = resumed.latest()
+    state = resumed.load()
+    rng = ranksafe.load_file(os.path.join(resumed.step_dir(3), f"rng-{rank}.pt"))["rng"].tolist()
+    ranksafe.barrier("every rank read step 3")
+    # node 1 missed the newest step: its copy of step 3 never got past the temporary name
+    if rank == 2:
+        doomed = AtomicDir(resumed.step_dir(3))
+        os.rename(doomed.final, doomed.tmp)
+    ranksafe.barrier("node 1 lost step 3")
+    behind = resumed.latest()
+    fallback = resumed.load()
+    resumed.save(4, _state(4))
+    return {
+        "latest": latest,
+        "w": state["w"][0].item(),
+        "rng": rng,
+        "behind": behind,
+        "fallback_w": fallback["w"][0].item(),
+        "after": resumed.latest(),
+        "writer": resumed.placement.writer,
+        "kind": resumed.placement.kind,
+    }
+
+
+def test_two_nodes_with_local_disks_save_resume_and_agree_on_the_common_step(tmp_path):
+    values = run_ranks(_two_nodes, 4, args=(str(tmp_path),), timeout=120).values
+    for rank, v in enumerate(values):
+        assert v["kind"] == "local"
+        assert (v["latest"], v["w"]) == (3, 3.0)
+        assert v["rng"] == [rank, 3]  # each rank reads back its own side file from its own node's disk
+        assert (v["behind"], v["fallback_w"]) == (2, 2.0)  # every rank resumes from the previous common step
+        assert v["after"] == 4
+    assert [v["writer"] for v in values] == [True, False, True, False]
+    disk0, disk1 = node_disk(tmp_path, 0), node_disk(tmp_path, 1)
+    # each node holds its own full copy, keep=2 applied per node, node 1's debris of step 3 cleaned
+    assert sorted(os.listdir(disk0)) == ["step_00000003", "step_00000004"]
+    assert sorted(os.listdir(disk1)) == ["step_00000002", "step_00000004"]
+    assert sorted(os.listdir(os.path.join(disk0, "step_00000003"))) == [
+        "MANIFEST.json", "rng-0.pt", "rng-1.pt", "state.pt",
+    ]  # fmt: skip
+    assert verify_step(os.path.join(disk1, "step_00000004"))["step"] == 4
+
+
+def _naive(rank, base):
+    root = as_node(rank, 2, base)
+    path = os.path.join(root, "global_step_20", "model.pt")
+    if rank == 0:  # the common pattern: rank 0 alone writes, everyone loads after a barrier
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.save(_state(20), path)
+    ranksafe.barrier("saved")
+    try:
+        torch.load(path)
+    except FileNotFoundError:
+        return "FileNotFoundError"
+    return "loaded"
+
+
+def test_control_rank0_alone_writing_to_node_local_disk_leaves_node1_without_the_file(tmp_path):
+    values = run_ranks(_naive, 4, args=(str(tmp_path),)).values
+    assert values == ["loaded", "loaded", "FileNotFoundError", "FileNotFoundError"]
+
+
+class _KillOnPickle:
+    """Pickling this kills the process: a crash in the middle of writing the state file."""
+
+    def __reduce__(self):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _killed_mid_save(rank, root):
+    mgr = CheckpointManager(root, keep=3)
+    mgr.save(1, _state(1))
+    with mgr.saving(2, {"state.pt": {**_state(2), "boom": _KillOnPickle()}}) as tx:
+        tx.save(torch.arange(4), f"rng-{rank}.pt")
+    return "survived"
+
+
+def _resume_after_kill(rank, root):
+    before = sorted(os.listdir(root))
+    mgr = CheckpointManager(root, keep=3)
+    latest = mgr.latest()
+    w = mgr.load()["w"][0].item()
+    mgr.save(3, _state(3))
+    return {"before": before, "latest": latest, "w": w, "after": sorted(os.listdir(root))}
+
+
+def test_sigkill_during_a_save_keeps_the_previous_step_and_the_debris_goes_at_the_next_save(tmp_path):
+    root = str(tmp_path / "ckpt")
+    killed = run_ranks(_killed_mid_save, 2, args=(root,), env={"RANKSAFE_TIMEOUT": "5"}, timeout=60)
+    assert killed[0].exitcode == -signal.SIGKILL  # the writer died inside torch.save of step 2
+    # the other rank learns of it (the store died with rank 0) instead of hanging
+    assert killed[1].raised("RankFailure") and not killed[1].hung, killed[1].error
+    values = run_ranks(_resume_after_kill, 2, args=(root,)).values
+    for v in values:
+        assert ".step_00000002.ranksafe-partial" in v["before"] and "step_00000001" in v["before"]
+        assert "step_00000002" not in v["before"]
+        assert (v["latest"], v["w"]) == (1, 1.0)
+        assert v["after"] == ["step_00000001", "step_00000003"]
+
+
+class _FsCounter:
+    """Count calls to the os / open functions a save could use, in this process."""
+
+    NAMES = (
+        "open", "stat", "lstat", "listdir", "scandir", "mkdir", "makedirs", "rename", "replace", "unlink",
+        "remove", "rmdir", "fsync", "walk",
+    )  # fmt: skip
+
+    def __init__(self):
+        self.count = 0
+        self._saved = [(os, n, getattr(os, n)) for n in self.NAMES]
+        self._saved += [(builtins, "open", builtins.open), (io, "open", io.open)]
+
+    def _counting(self, fn):
+        def call(*args, **kwargs):
+            self.count += 1
+            return fn(*args, **kwargs)
+
+        return call
+
+    def __enter__(self):
+        for owner, name, fn in self._saved:
+            setattr(owner, name, self._counting(fn))
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, fn in self._saved:
+            setattr(owner, name, fn)
+
+
+def _costs(rank, base, per_node, shared):
+    root = as_node(rank, per_node, base, shared)
+    mgr = CheckpointManager(root, keep=2)
+    mgr.save(0, _state(0))  # the first save probes the storage once
+    exchanges = []
+    with _FsCounter() as fs:
+        for step in range(1, 10):
+            seq = collectives._session.seq
+            mgr.save(step, _state(step))
+            exchanges.append(collectives._session.seq - seq)
+    ranksafe.barrier("all saved")
+    return {"writer": mgr.placement.writer, "exchanges": exchanges, "fs": fs.count, "listing": os.listdir(root)}
+
+
+@pytest.mark.parametrize(("nprocs", "per_node", "shared"), [(2, 2, True), (4, 2, False)])
+def test_a_save_costs_three_exchanges_and_no_file_calls_on_non_writers(tmp_path, nprocs, per_node, shared):
+    values = run_ranks(_costs, nprocs, args=(str(tmp_path), per_node, shared), timeout=120).values
+    for rank, v in enumerate(values):
+        assert v["exchanges"] == [3] * 9, f"rank {rank}"  # the same with 2 and 4 ranks
+        if v["writer"]:
+            assert v["fs"] > 0  # the counter sees the writer's calls
+            assert sorted(v["listing"]) == ["step_00000008", "step_00000009"]  # keep=2 over 10 saves
+        else:
+            assert v["fs"] == 0, f"rank {rank} made {v['fs']} file-system calls during saves"
+    assert [v["writer"] for v in values] == ([True, False] if shared else [True, False, True, False])
+
+
+def _corrupt_newest(rank, root):
+    mgr = CheckpointManager(root)
+    mgr.save(1, _state(1))
+    mgr.save(2, _state(2))
+    if rank == 0:
+        path = os.path.join(mgr.step_dir(2), "state.pt")
+        with open(path, "r+b") as f:
+            f.seek(os.path.getsize(path) // 2)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    ranksafe.barrier("bit flipped")
+    try:
+        mgr.load()
+        error = None
+    except ranksafe.CorruptCheckpoint as e:
+        error = str(e)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        w = mgr.load(fallback=True)["w"][0].item()
+    return {"error": error, "w": w, "step": mgr.loaded_step, "warnings": [str(c.message) for c in caught]}
+
+
+def test_a_corrupt_newest_step_raises_everywhere_naming_the_file_or_falls_back(tmp_path):
+    values = run_ranks(_corrupt_newest, 2, args=(str(tmp_path / "ckpt"),)).values
+    for v in values:
+        assert v["error"] is not None and "step_00000002/state.pt" in v["error"] and "checksum" in v["error"]
+        assert (v["w"], v["step"]) == (1.0, 1)
+        assert len(v["warnings"]) == 1 and "loading step 1 instead" in v["warnings"][0]
+
+
+# -- one process -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("step", [-1, 1.5, True, "3", "../x"])
+def test_steps_must_be_non_negative_ints(tmp_path, step):
+    with pytest.raises(ValueError, match="step must be"):
+        CheckpointManager(tmp_path).step_dir(step)
+
+
+@pytest.mark.parametrize("name", ["../evil", "a/b", "..", ".hidden", ""])
+def test_file_names_and_prefixes_cannot_escape_the_step_directory(tmp_path, name):
+    mgr = CheckpointManager(tmp_path)
+    with pytest.raises(ValueError):
+        mgr.save(1, _state(1), extra_files={name: b"x"})
+    with pytest.raises(ValueError):
+        CheckpointManager(tmp_path, prefix=name + "/")
+    assert os.listdir(tmp_path) == []  # rejected before anything was created
+
+
+def test_list_steps_reports_committed_incomplete_and_corrupt(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep=None)
+    for step in (1, 2, 3):
+        mgr.save(step, _state(step))
+    with mgr.saving(4) as tx:  # a user file written directly, hashed by the writer at commit
+        pathlib.Path(tx.path, "notes.txt").write_text("hello")
+    os.truncate(os.path.join(mgr.step_dir(2), "state.pt"), 100)
+    os.remove(os.path.join(mgr.step_dir(3), "MANIFEST.json"))
+    AtomicDir(mgr.step_dir(5)).create()
+    steps = list_steps(tmp_path)
+    assert [(s.step, s.status) for s in steps] == [
+        (1, "committed"), (2, "corrupt"), (3, "incomplete"), (4, "committed"), (5, "incomplete"),
+    ]  # fmt: skip
+    assert "size is 100 bytes" in steps[1].error and steps[3].size == 5
+    assert mgr.latest() == 4  # latest() lists cheaply; load() verifies the contents
+    with pytest.raises(ranksafe.CorruptCheckpoint, match=r"step_00000002/state\.pt"):
+        mgr.load(2)
+
+
+def test_saving_a_step_again_replaces_it_and_a_failed_block_commits_nothing(tmp_path):
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(1, _state(1))
+    mgr.save(1, _state(7))
+    assert mgr.load(1)["w"][0].item() == 7.0
+    with pytest.raises(ZeroDivisionError), mgr.saving(2) as tx:
+        tx.save(b"partial", "notes.txt")
+        raise ZeroDivisionError("the block failed")
+    assert sorted(os.listdir(tmp_path)) == ["step_00000001"]
