@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from ranksafe.snapshot import StagingBuffers, StateDictLock
+from ranksafe.snapshot import StagingBuffers, StateDictLock, _split, copy_bytes
 from tests.ranks import run_ranks
 
 # --------------------------------------------------------------------------------------------------- lock
@@ -264,3 +264,32 @@ def test_dtensor_snapshot_copies_the_local_shard_and_keeps_placements():
     for v in run_ranks(_dtensor_snapshot, 2).values:
         expected = {"type": True, "placements": "(Shard(dim=0),)", "shape": (4, 4), "local_equal": True, "copied": True}
         assert v == expected
+
+
+def test_byte_ranges_split_over_threads_cover_every_byte_once():
+    src = torch.randint(0, 255, (3 * 1000 + 7,), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    sizes = [1000, 1, 2006]  # ranges cut at odd places across the three workers
+    segments, off = [], 0
+    for n in sizes:
+        segments.append((dst.data_ptr() + off, src.data_ptr() + off, n))
+        off += n
+    parts = _split(segments, 3)
+    assert len(parts) == 3 and sum(n for p in parts for *_, n in p) == sum(sizes)
+    copy_bytes(segments, workers=3)
+    assert torch.equal(dst[:off], src[:off]) and not dst[off:].any()
+
+
+def test_a_large_snapshot_copies_every_kind_of_tensor_exactly():
+    torch.manual_seed(0)
+    state = {
+        "big": torch.randn(5_000_001),  # > 16 MiB in all: the threaded byte copy runs
+        "bf16": torch.randn(4_000_003).to(torch.bfloat16),
+        "conj": torch.randn(33, dtype=torch.complex64).conj(),  # a lazy conjugate: never copied as raw bytes
+        "strided": torch.randn(64, 32)[:, ::3],
+        "empty": torch.empty(0, 5),
+        "flag": torch.tensor([True, False, True]),
+    }
+    snap = StagingBuffers().take(state)
+    for k, v in state.items():
+        assert snap[k].dtype == v.dtype and torch.equal(snap[k], v), k

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
 import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -124,6 +125,54 @@ class StateDictLock:
             self.release_read()
 
 
+_PARALLEL_MIN = 16 << 20  # bytes; below this one thread copies everything (starting threads costs more)
+
+
+def _plain_bytes(src: torch.Tensor) -> bool:
+    """Whether ``src`` can be copied as raw bytes: dense CPU memory in order, no lazy conjugate/negation."""
+    return src.device.type == "cpu" and src.is_contiguous() and not src.is_conj() and not src.is_neg()
+
+
+def _run(segments: list[tuple[int, int, int]]) -> None:
+    for dst, src, n in segments:
+        ctypes.memmove(dst, src, n)  # a C call: releases the GIL
+
+
+def _split(segments: list[tuple[int, int, int]], parts: int) -> list[list[tuple[int, int, int]]]:
+    """Cut the byte ranges into ``parts`` lists of about equal bytes, splitting a range where needed."""
+    share = -(-sum(n for _, _, n in segments) // parts)
+    out: list[list[tuple[int, int, int]]] = [[]]
+    room = share
+    for dst, src, n in segments:
+        while n:
+            take = min(n, room)
+            out[-1].append((dst, src, take))
+            dst, src, n, room = dst + take, src + take, n - take, room - take
+            if room == 0 and len(out) < parts:
+                out.append([])
+                room = share
+    return out
+
+
+def copy_bytes(segments: list[tuple[int, int, int]], workers: int) -> None:
+    """Copy ``(dst address, src address, nbytes)`` ranges, split evenly over ``workers`` threads.
+
+    One split per snapshot, not one per tensor: torch's ``copy_`` opens a parallel region per tensor, and
+    with a thousand tensors on a busy machine (data loader workers) each region waits for its slowest
+    thread; measured 5-10x slower than one large copy of the same bytes.
+    """
+    if workers <= 1 or sum(n for _, _, n in segments) < _PARALLEL_MIN:
+        _run(segments)
+        return
+    first, *rest = _split(segments, workers)
+    threads = [threading.Thread(target=_run, args=(part,), name="ranksafe-snapshot-copy") for part in rest]
+    for t in threads:
+        t.start()
+    _run(first)
+    for t in threads:
+        t.join()
+
+
 def _is_dtensor(t: Any) -> bool:
     return DTensor is not None and isinstance(t, DTensor)
 
@@ -219,13 +268,18 @@ class StagingBuffers:
         key = tuple((t.dtype, tuple(t.shape), t.device.type) for t in tensors)
         if key != self._key:
             self._layout(tensors, key)
-        devices = set()
+        devices, segments = set(), []
         with torch.no_grad():
             for src, dst in zip(tensors, self._views, strict=True):
+                if _plain_bytes(src):
+                    if src.numel():
+                        segments.append((dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size()))
+                    continue
                 cuda = src.device.type == "cuda"
                 dst.copy_(src, non_blocking=cuda)
                 if cuda:
                     devices.add(src.device)
+        copy_bytes(segments, torch.get_num_threads())
         for d in devices:  # one synchronisation per device for all the non-blocking copies
             torch.cuda.synchronize(d)
         staged = {id(o): _wrap(o, v) for o, v in zip(originals, self._views, strict=True)}
