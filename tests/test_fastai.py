@@ -21,6 +21,7 @@ from fastai.tabular.all import (
     Learner,
     MSELossFlat,
     Normalize,
+    ReduceLROnPlateau,
     SaveModelCallback,
     TabularDataLoaders,
     get_model,
@@ -144,8 +145,9 @@ def _ddp_with_ranksafe(rank, root):
         out["csv"] = f.read()
 
     # EarlyStoppingCallback, disagreeing values
-    watch = _fit_watch(learn, 4, Inject(STOP_VALUES[rank]), EarlyStoppingCallback(patience=1))
-    out["stop_epochs"] = watch.epochs
+    plateau = ReduceLROnPlateau(patience=1, factor=2.0)
+    watch = _fit_watch(learn, 4, Inject(STOP_VALUES[rank]), plateau, EarlyStoppingCallback(patience=1))
+    out["stop_epochs"], out["lr"] = watch.epochs, learn.opt.hypers[-1]["lr"]
 
     # cost per epoch when nothing is saved
     watch = _fit_watch(learn, 3)
@@ -184,6 +186,7 @@ def test_ranksafe_ddp_decisions_writers_and_lr_find(tmp_path):
     assert os.listdir(tmp_path).count("history.csv") == 1
     # EarlyStopping: both ranks stop after the same epoch, no hang
     assert r0["stop_epochs"] == r1["stop_epochs"] == 2
+    assert r0["lr"] == r1["lr"] == 1e-2 / 2  # ReduceLROnPlateau: the same single reduction on both ranks
     # one small collective per epoch when nothing is saved
     assert len(r0["seq_deltas"]) == 2 and r0["seq_deltas"] == r1["seq_deltas"], r0["seq_deltas"]
     assert all(d <= 2 for d in r0["seq_deltas"]), r0["seq_deltas"]
@@ -198,7 +201,7 @@ def test_ranksafe_ddp_decisions_writers_and_lr_find(tmp_path):
 def _ddp_stock(rank, root):
     from ranksafe.fastai.cpu import prepare_distributed
 
-    prepare_distributed()  # only what it takes for fastai's DDP to run on CPU; no RankSafe
+    prepare_distributed()  # torchrun-like env: fastai knows its rank; this only lets DDP run on CPU
     torch.manual_seed(rank)
     learn = _learner(root, False)
     save = SaveModelCallback(fname="best")
@@ -216,7 +219,7 @@ def _ddp_stock(rank, root):
 
 
 def test_stock_fastai_control_disagrees_and_blocks_until_pg_timeout(tmp_path):
-    ranks = run_ranks(_ddp_stock, 2, args=(str(tmp_path),), env={"TEST_PG_TIMEOUT": "6"}, timeout=240)
+    ranks = run_ranks(_ddp_stock, 2, args=(str(tmp_path),), env={"TEST_PG_TIMEOUT": "6"}, timeout=240, launch_env=True)
     r0, r1 = ranks.values
     # rank 1 believes its epoch 3 (0.05) was best, rank 0 its epoch 2 (0.4): they load one file regardless
     assert (r0["best"], r1["best"]) == (0.4, 0.05)
@@ -308,3 +311,41 @@ def test_spawned_without_rank_one_writer_shared_failures(tmp_path):
         m = v["missing_load"]
         assert "RankFailure" in m["error"] and "FileNotFoundError" in m["error"] and m["seconds"] < 5, m
         assert "UntrustedCheckpoint" in v["untrusted"]["error"]
+
+
+# ------------------------------------------------------------------------------ one process: stock behaviour
+
+
+def _train_single(path, safe: bool):
+    from fastai.torch_core import set_seed
+
+    set_seed(0, reproducible=True)  # python, numpy and torch: the shuffles and the initial weights
+    path.mkdir()  # stock CSVLogger creates only the parent of learn.path
+    learn = _learner(path, safe, CSVLogger())
+    with learn.no_bar(), learn.no_logging():
+        learn.fit(3, 1e-2, cbs=SaveModelCallback(fname="best", with_opt=True))
+    learn.remove_cb(CSVLogger)
+    learn.export()
+    return learn
+
+
+def test_single_process_files_and_results_match_stock_fastai(tmp_path):
+    from fastai.learner import load_model
+
+    stock, safe = _train_single(tmp_path / "stock", False), _train_single(tmp_path / "safe", True)
+    listing = lambda root: sorted(str(p.relative_to(root)) for p in root.rglob("*"))  # noqa: E731
+    assert listing(tmp_path / "stock") == listing(tmp_path / "safe") == [
+        "export.pkl", "history.csv", "models", "models/best.pth"
+    ]  # fmt: skip
+    assert stock.recorder.values == safe.recorder.values and params(stock) == params(safe)
+    assert (tmp_path / "stock/history.csv").read_text().splitlines()[1:] != []
+    # stock fastai reads what ranksafe wrote, and the other way round
+    fresh = _learner(tmp_path / "x", False)
+    fresh.create_opt()
+    load_model(tmp_path / "safe/models/best.pth", fresh.model, fresh.opt)
+    assert params(fresh) == params(safe)
+    again = _learner(tmp_path / "stock", True)
+    again.load("best")
+    assert params(again) == params(stock)
+    loaded = rf.load_learner(tmp_path / "safe/export.pkl", trusted=True)
+    assert params(loaded) == params(safe)
