@@ -349,3 +349,9 @@ def test_single_process_files_and_results_match_stock_fastai(tmp_path):
     assert params(again) == params(stock)
     loaded = rf.load_learner(tmp_path / "safe/export.pkl", trusted=True)
     assert params(loaded) == params(safe)
+    # data export: a pickle, so reading it back needs trusted=True
+    rf.export_data(tabular_dls(tmp_path), tmp_path / "data/dls.pkl")
+    with pytest.raises(ranksafe.UntrustedCheckpoint):
+        rf.load_data(tmp_path / "data/dls.pkl")
+    dls = rf.load_data(tmp_path / "data/dls.pkl", trusted=True)
+    assert len(dls.train_ds) == 48 and len(dls.valid_ds) == 16
