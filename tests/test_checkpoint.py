@@ -211,7 +211,13 @@ def _corrupt_newest(rank, root):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         w = mgr.load(fallback=True)["w"][0].item()
-    return {"error": error, "w": w, "step": mgr.loaded_step, "warnings": [str(c.message) for c in caught]}
+    fell_back_to = mgr.loaded_step
+    mgr.save(3, {"r": torch.tensor(rank)}, sharded=True)  # every rank writes its own shard
+    shard = mgr.load(sharded=True)["r"].item()
+    return {
+        "error": error, "w": w, "step": fell_back_to, "warnings": [str(c.message) for c in caught],
+        "rank": rank, "shard": shard, "files": sorted(os.listdir(mgr.step_dir(3))),
+    }  # fmt: skip
 
 
 def test_a_corrupt_newest_step_raises_everywhere_naming_the_file_or_falls_back(tmp_path):
@@ -219,7 +225,9 @@ def test_a_corrupt_newest_step_raises_everywhere_naming_the_file_or_falls_back(t
     for v in values:
         assert v["error"] is not None and "step_00000002/state.pt" in v["error"] and "checksum" in v["error"]
         assert (v["w"], v["step"]) == (1.0, 1)
-        assert len(v["warnings"]) == 1 and "loading step 1 instead" in v["warnings"][0]
+        assert len(v["warnings"]) == 1 and "step_00000002/state.pt" in v["warnings"][0]
+        assert "falling back to step 1" in v["warnings"][0]
+        assert v["shard"] == v["rank"] and v["files"] == ["MANIFEST.json", "shard-00000.pt", "shard-00001.pt"]
 
 
 # -- one process -------------------------------------------------------------------------------------
@@ -263,8 +271,9 @@ def test_list_steps_reports_committed_incomplete_and_corrupt(tmp_path):
 def test_saving_a_step_again_replaces_it_and_a_failed_block_commits_nothing(tmp_path):
     mgr = CheckpointManager(tmp_path)
     mgr.save(1, _state(1))
-    mgr.save(1, _state(7))
+    mgr.save(1, _state(7), extra_files={"meta.json": '{"epoch": 7}'})
     assert mgr.load(1)["w"][0].item() == 7.0
+    assert pathlib.Path(mgr.step_dir(1), "meta.json").read_text() == '{"epoch": 7}'
     with pytest.raises(ZeroDivisionError), mgr.saving(2) as tx:
         tx.save(b"partial", "notes.txt")
         raise ZeroDivisionError("the block failed")

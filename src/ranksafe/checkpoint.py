@@ -211,14 +211,13 @@ def list_steps(root: str | os.PathLike, prefix: str = "step_", deep: bool = Fals
         size = sum(os.stat(os.path.join(path, *rel.split("/"))).st_size for rel in _walk(path))
         status: Status = "committed"
         error, when = None, os.stat(path).st_mtime
-        if m.group(3):
-            status = "incomplete"
+        if m.group(3) or not os.path.isfile(os.path.join(path, MANIFEST)):
+            status = "incomplete"  # a save in progress, a crashed one, or a directory that never committed
         else:
             try:
                 when = verify_step(path, deep=deep)["time"]
             except CorruptCheckpoint as e:
-                status = "incomplete" if os.path.basename(e.path) == MANIFEST and "never" in e.reason else "corrupt"
-                error = str(e)
+                status, error = "corrupt", str(e)
         out.append(StepInfo(int(m.group(2)), path, status, size, when, error))
     return sorted(out, key=lambda s: (s.step, s.status != "committed"))
 
@@ -430,25 +429,24 @@ class CheckpointManager:
             raise FileNotFoundError(f"no committed checkpoint under {self.root}")
         else:
             candidates = common if fallback else common[:1]
-        for i, s in enumerate(candidates):
-            self._loading.add(s)
-            try:
+        self._loading.update(candidates)  # retention must not delete what is being read
+        try:
+            for s in candidates:
                 bad = self._verify(s)
-                if bad and i + 1 < len(candidates):
-                    warnings.warn(f"{bad}; loading step {candidates[i + 1]} instead", RuntimeWarning, stacklevel=2)
-                    continue
-                if bad:
+                if bad is None:
+                    break
+                if s == candidates[-1]:
                     raise bad
-                result = None
-                with together(f"checkpoint {s}: load", self.timeout):
-                    name = _shard(topology.rank()) if sharded else STATE
-                    path = os.path.join(self.step_dir(s), name)
-                    result = load_file(path, map_location=map_location, weights_only=weights_only)
-                self.loaded_step = s
-                return result
-            finally:
-                self._loading.discard(s)
-        raise AssertionError("unreachable: the loop returns or raises")
+                previous = candidates[candidates.index(s) + 1]
+                warnings.warn(f"{bad}; falling back to step {previous}", RuntimeWarning, stacklevel=2)
+            result = None
+            with together(f"checkpoint {s}: load", self.timeout):
+                path = os.path.join(self.step_dir(s), _shard(topology.rank()) if sharded else STATE)
+                result = load_file(path, map_location=map_location, weights_only=weights_only)
+        finally:
+            self._loading.difference_update(candidates)
+        self.loaded_step = s
+        return result
 
     def _verify(self, step: int) -> BaseException | None:
         """The agreed verdict of the writers' deep check of ``step``: None, or the error to raise everywhere."""
