@@ -28,6 +28,7 @@ def _race(rank, root, pattern, attempts):
     errors = lost = 0
     for i in range(attempts):
         run_dir = os.path.join(root, "run")
+        time.sleep(0.004 * rank)  # ranks arrive a few ms apart, as they do after unequal work
         try:
             if pattern == "ranksafe":
                 ranksafe.prepare_dir(run_dir, overwrite=True)
@@ -35,7 +36,7 @@ def _race(rank, root, pattern, attempts):
                 _naive_prepare(run_dir, exist_ok=pattern == "naive_exist_ok")
             with open(os.path.join(run_dir, f"rank{rank}.txt"), "w") as f:
                 f.write(str(i))
-        except OSError:
+        except (OSError, RuntimeError):
             errors += 1
         dist.barrier()
         if rank == 0:  # every rank's file of this attempt must have survived the others' preparation

@@ -27,9 +27,10 @@ def _naive_round(run_dir: str, state: dict) -> int:
     try:
         if os.path.exists(run_dir):
             shutil.rmtree(run_dir)
+        time.sleep(0.01)  # the check and the creation are never instantaneous (a busy NFS server, say)
         os.makedirs(run_dir)
         torch.save(state, os.path.join(run_dir, "model.pth"))
-    except OSError:
+    except Exception:  # OSError from the file system, RuntimeError from torch.save's writer
         errors += 1
     dist.barrier()
     try:
