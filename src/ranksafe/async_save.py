@@ -77,6 +77,7 @@ class AsyncSaver:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._submitting = threading.Lock()  # one snapshot at a time, whatever the calling thread
+        self._error_lock = threading.Lock()  # the writer thread records, check() takes: never lose one
         _live.add(self)
 
     # -- local ---------------------------------------------------------------------------------------
@@ -152,8 +153,9 @@ class AsyncSaver:
             self._record(e)
 
     def _record(self, e: BaseException) -> None:
-        if self._error is None:  # the first failure is the cause; later ones usually follow from it
-            self._error = e
+        with self._error_lock:
+            if self._error is None:  # the first failure is the cause; later ones usually follow from it
+                self._error = e
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the write in flight (if any) is committed or failed; False on timeout. Local.
@@ -172,7 +174,8 @@ class AsyncSaver:
         A collective costing one exchange: cheap enough for every training step. Each failure is
         reported once. In a single process the original error is raised unchanged.
         """
-        err, self._error = self._error, None
+        with self._error_lock:
+            err, self._error = self._error, None
         share_outcome(f"{self.name}: check", err)
 
     def warmup(self, example_state: Any, directory: str | os.PathLike) -> None:
