@@ -20,7 +20,8 @@ setup() {
   "${pip[@]}" "torch==2.13.0"
   # fastai without torchvision (see requirements/fastai-deps.txt).
   "${pip[@]}" --no-deps "fastai==2.8.12"
-  "${pip[@]}" -r requirements/fastai-deps.txt -r requirements/dev.txt -e ".[lightning,dev]" "torch==2.13.0"
+  "${pip[@]}" -r requirements/fastai-deps.txt -r requirements/dev.txt -r requirements/docs.txt -e ".[lightning,dev]" \
+    "torch==2.13.0"
   if "$VENV/bin/python" -c "import torchvision" 2>/dev/null; then
     echo "torchvision must not be installed (breaks lightning on CPU torch)" >&2; exit 1
   fi
@@ -35,10 +36,15 @@ case "$job" in
   test)
     setup
     export PATH="$PWD/$VENV/bin:$PATH"
-    ruff check src tests
-    ruff format --check src tests
+    ruff check src tests nbs
+    ruff format --check src tests nbs
+    # The docs site, strict: a broken link or cross-reference fails the run (docstrings: tests/test_docstrings.py).
+    site=$(mktemp -d)
+    trap 'rm -rf "$site"' EXIT
+    NO_MKDOCS_2_WARNING=1 mkdocs build --strict -d "$site"  # not --quiet: it hides the warnings strict counts
     # pytest exits 5 when it collected nothing: that is a failure here, as is any other non-zero code.
-    pytest "${@:2}" ;;
+    # --nbmake runs each notebook in nbs/ top to bottom as one test (it collects only .ipynb files).
+    pytest --nbmake tests nbs "${@:2}" ;;
   *)
     echo "usage: bash dev.sh demo|test [args]" >&2; exit 2 ;;
 esac
