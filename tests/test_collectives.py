@@ -186,3 +186,27 @@ def test_launcher_without_process_group_is_a_clear_error(monkeypatch):
         assert "init_process_group" in str(e)
     else:
         raise AssertionError("barrier passed without a process group")
+
+
+def _fails_alone(rank, guarded):
+    start = time.monotonic()
+    try:
+        if rank == 1:
+            if guarded:
+                with ranksafe.abort_on_error():
+                    raise OSError(28, "No space left on device (writing the CSV log)")
+            raise OSError(28, "No space left on device (writing the CSV log)")
+        ranksafe.barrier("next epoch", timeout=8)  # rank 0 goes on to the next collective
+    except (ranksafe.RankFailure, OSError) as e:
+        return {"type": type(e).__name__, "msg": str(e), "seconds": time.monotonic() - start}
+    return "no error"
+
+
+def test_abort_reaches_waiting_ranks_at_once_instead_of_the_timeout():
+    unguarded = run_ranks(_fails_alone, 2, args=(False,)).values
+    guarded = run_ranks(_fails_alone, 2, args=(True,)).values
+    print("rank 0 without abort:", unguarded[0], "\nrank 0 with abort:", guarded[0])
+    assert unguarded[0]["type"] == "BarrierTimeout" and unguarded[0]["seconds"] >= 8  # the control waits it out
+    assert guarded[0]["type"] == "RankFailure[OSError]" and guarded[0]["seconds"] < 3
+    assert "rank 1" in guarded[0]["msg"] and "No space left" in guarded[0]["msg"]
+    assert guarded[1]["type"] == "OSError"  # the failing rank keeps its own error

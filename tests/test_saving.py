@@ -108,7 +108,7 @@ def _load_outcome(rank, path, per_rank):
     except ranksafe.RankFailure as e:
         return {
             "types": [t.__name__ for t in type(e).__mro__], "msg": str(e), "ranks": e.ranks,
-            "seconds": time.monotonic() - start,
+            "seconds": time.monotonic() - start, "path": getattr(e, "path", None),
         }  # fmt: skip
     return "loaded"
 
@@ -140,6 +140,7 @@ def test_corrupt_and_truncated_files_raise_on_every_rank(tmp_path):
         values = run_ranks(_load_outcome, 2, args=(str(tmp_path / name), False)).values
         for v in values:
             assert "CorruptCheckpoint" in v["types"] and name in v["msg"], v
+            assert v["path"] == str(tmp_path / name)  # the attribute too, also on ranks that did not fail alone
 
 
 def _failing_save(rank, path, blocker):

@@ -4,7 +4,9 @@ One writer, a barrier inside load, decisions every rank agrees on, atomic files,
 rank raised on every rank instead of a hang.
 """
 
-from .collectives import agree, all_gather, barrier, broadcast, main_first, together
+from .async_save import AsyncSaver
+from .checkpoint import CheckpointManager, list_steps, verify_step
+from .collectives import abort, abort_on_error, agree, all_gather, barrier, broadcast, main_first, together
 from .errors import (
     BarrierTimeout,
     CollectiveMismatch,
@@ -15,17 +17,24 @@ from .errors import (
 )
 from .files import atomic_save, atomic_write, load_file, verify_file
 from .saving import load, prepare_dir, save
+from .snapshot import StagingBuffers, StateDictLock
 from .topology import is_local_main, is_main, local_rank, node_rank, rank, world_size
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncSaver",
     "BarrierTimeout",
+    "CheckpointManager",
     "CollectiveMismatch",
     "CorruptCheckpoint",
     "RankFailure",
     "RankSafeError",
+    "StagingBuffers",
+    "StateDictLock",
     "UntrustedCheckpoint",
+    "abort",
+    "abort_on_error",
     "agree",
     "all_gather",
     "atomic_save",
@@ -34,6 +43,7 @@ __all__ = [
     "broadcast",
     "is_local_main",
     "is_main",
+    "list_steps",
     "load",
     "load_file",
     "local_rank",
@@ -44,5 +54,6 @@ __all__ = [
     "save",
     "together",
     "verify_file",
+    "verify_step",
     "world_size",
 ]

@@ -399,7 +399,7 @@ class CheckpointManager:
     def _common(self) -> list[int]:
         """Steps committed on every writer's copy, newest first; one exchange, agreed."""
         mine = self._committed() if self.placement.writer else None
-        return exchange(f"checkpoint {self.root}: steps", mine, _newest_common, self.timeout)
+        return exchange("checkpoint: steps", mine, _newest_common, self.timeout, what=f"checkpoint {self.root}: steps")
 
     def latest(self) -> int | None:
         """The newest step committed on every node, the same on every rank; ``None`` when there is none."""

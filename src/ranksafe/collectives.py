@@ -25,7 +25,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from datetime import timedelta
 from typing import Any, Literal, TypeVar
 
 import torch.distributed as dist
@@ -59,6 +58,7 @@ class _Session:
         # block of `world` tickets, so they compute the same session index.
         ticket = self.store.add("ranksafe/sessions", 1)
         self.prefix = f"ranksafe/{(ticket - 1) // self.world}/"
+        self.abort_key = f"{self.prefix}abort"
         self.seq = 0
         self.lock = threading.Lock()
         self.hosts: list[str] = []
@@ -113,6 +113,7 @@ def _get_session(timeout: float | None) -> _Session | None:
     with _session_lock:
         if _session is None or _session.group_id != id(dist.group.WORLD):
             _session = _Session()
+        if not _session.hosts:
             _session.hosts = _exchange_in(_session, "ranksafe:hosts", topology.hostname(), list, timeout)
             topology.record_host_exchange(_session.hosts)
         return _session
@@ -140,11 +141,14 @@ def _exchange_in(
             else:
                 result = _await_result(s, what, rank_keys, result_key, timeout)
                 s.store.add(read_key, 1)
+        except _Aborted as e:
+            raise rank_failure(what, [e.failure]) from None
         except dist.DistError as e:
-            raise RankFailure(
-                name,
-                [Failure(s.rank, "ConnectionError", f"lost the rendezvous store ({e}); a rank probably exited")],
-            ) from e
+            lost = (
+                f"lost the rendezvous store ({str(e).splitlines()[0]}); the process hosting it exited: rank 0 "
+                "under mp.spawn or Lightning ddp, the launcher's agent under torchrun"
+            )
+            raise RankFailure(what, [Failure(s.rank, "ConnectionError", lost)]) from e
     kind, payload = result
     if kind == "ok":
         return payload
@@ -157,10 +161,32 @@ def _exchange_in(
     raise rank_failure(what, [payload])
 
 
+class _Aborted(Exception):
+    def __init__(self, failure: Failure):
+        self.failure = failure
+
+
+def _wait_for(s: _Session, keys: list[str], timeout: float) -> bool:
+    """Wait until every key exists (True) or ``timeout`` passes (False); raise if a rank aborted meanwhile.
+
+    Polls with ``check`` (cheap, and silent where ``store.wait`` logs each timeout), backing off from
+    0.2 ms to 20 ms, so a quick collective stays quick and a long wait (a writer saving gigabytes) costs
+    a few dozen store requests a second.
+    """
+    deadline = time.monotonic() + timeout
+    pause = 0.0002
+    while not s.store.check(keys):
+        if s.store.check([s.abort_key]):
+            raise _Aborted(pickle.loads(s.store.get(s.abort_key)))
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
+    return True
+
+
 def _collect(s: _Session, name: str, rank_keys: list[str], reduce, timeout: float):
-    try:
-        s.store.wait(rank_keys, timedelta(seconds=timeout))
-    except dist.DistStoreError:
+    if not _wait_for(s, rank_keys, timeout):
         return "timeout", [r for r, k in enumerate(rank_keys) if not s.store.check([k])]
     posted = [pickle.loads(b) for b in s.store.multi_get(rank_keys)]
     names = {n for n, _ in posted}
@@ -173,11 +199,9 @@ def _collect(s: _Session, name: str, rank_keys: list[str], reduce, timeout: floa
 
 
 def _await_result(s: _Session, what: str, rank_keys: list[str], result_key: str, timeout: float):
-    try:
-        s.store.wait([result_key], timedelta(seconds=timeout + _GRACE))
-    except dist.DistStoreError:
+    if not _wait_for(s, [result_key], timeout + _GRACE):
         missing = [r for r, k in enumerate(rank_keys) if not s.store.check([k])]
-        raise BarrierTimeout(what, missing or [0], timeout) from None
+        raise BarrierTimeout(what, missing or [0], timeout)
     return pickle.loads(s.store.get(result_key))
 
 
@@ -285,6 +309,40 @@ class together:
     def __exit__(self, exc_type, exc, tb) -> bool:
         share_outcome(self.name, exc, self.timeout, self.what)
         return False
+
+
+def abort(exc: BaseException) -> None:
+    """Tell every rank that this rank failed outside a shared section: their collectives raise now.
+
+    A rank that raises on its own (a log write, a user callback) never reaches the next collective, and
+    the others would wait there until the timeout. After ``abort``, every collective that is waiting, or
+    that any rank starts later in this process group, raises :class:`RankFailure` naming this rank and
+    its error. The job cannot continue; each rank unwinds with an error instead of hanging. A
+    :class:`RankFailure` is already known everywhere and is not posted again. Local; never raises.
+    """
+    global _session
+    if isinstance(exc, RankFailure) or not topology.is_distributed() or dist.get_world_size() == 1:
+        return
+    with contextlib.suppress(dist.DistError), _session_lock:
+        if _session is None or _session.group_id != id(dist.group.WORLD):
+            _session = _Session()  # the host exchange waits for the next collective, which will raise
+        if not _session.store.check([_session.abort_key]):
+            _session.store.set(_session.abort_key, pickle.dumps(Failure.from_exception(_session.rank, exc)))
+
+
+@contextmanager
+def abort_on_error() -> Iterator[None]:
+    """Run a block (a training loop, a ``fit``) so that an exception in it reaches every rank at once.
+
+    Any exception escaping the block is posted with :func:`abort` and re-raised: the other ranks raise
+    :class:`RankFailure` at their next (or current) ranksafe collective instead of waiting for a rank that
+    is gone. The integrations wrap ``fit`` in it.
+    """
+    try:
+        yield
+    except BaseException as e:
+        abort(e)
+        raise
 
 
 @contextmanager

@@ -47,11 +47,13 @@ class Failure:
     rank: int
     type_name: str  # "module.QualName"
     message: str
+    path: str | None = None  # the file the error is about, when it says (CorruptCheckpoint.path, OSError.filename)
 
     @classmethod
     def from_exception(cls, rank: int, exc: BaseException) -> Failure:
         t = type(exc)
-        return cls(rank, f"{t.__module__}.{t.__qualname__}", str(exc))
+        path = getattr(exc, "path", None) or getattr(exc, "filename", None)
+        return cls(rank, f"{t.__module__}.{t.__qualname__}", str(exc), None if path is None else str(path))
 
     @property
     def short_type(self) -> str:
@@ -137,6 +139,7 @@ def _shared_type(t: type[BaseException]) -> type[RankFailure]:
 
     def __init__(self, what: str, failures: list[Failure]):
         RankFailure.__init__(self, what, failures)
+        self.path = next((f.path for f in failures if f.path), None)  # as CorruptCheckpoint.path would be
 
     ns = {"__init__": __init__, "__module__": __name__, "__qualname__": f"RankFailure[{t.__name__}]"}
     return type(f"RankFailure[{t.__name__}]", (RankFailure, t), ns)

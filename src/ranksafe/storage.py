@@ -100,7 +100,9 @@ def probe(directory: str | os.PathLike, timeout: float | None = None) -> dict[in
         except OSError as e:
             failure, path = Failure.from_exception(me, e), None
     try:
-        posted = exchange(f"storage probe {directory}: tokens", (node, token, failure), list, timeout)
+        posted = exchange(
+            "storage probe: tokens", (node, token, failure), list, timeout, what=f"storage probe {directory}"
+        )
         _raise_failures(f"storage probe {directory}", [f for _, _, f in posted if f is not None])
         tokens = {n: t for n, t, _ in posted if t is not None}
         headless = sorted({n for n, _, _ in posted} - tokens.keys())
@@ -112,7 +114,9 @@ def probe(directory: str | os.PathLike, timeout: float | None = None) -> dict[in
         except OSError as e:  # a node whose copy of the directory does not exist sees no token
             names, failure = set(), None if isinstance(e, FileNotFoundError) else Failure.from_exception(me, e)
         visible = frozenset(n for n, t in tokens.items() if f"{PROBE_PREFIX}{n}-{t}" in names)
-        seen = exchange(f"storage probe {directory}: seen", (node, visible, failure), list, timeout)
+        seen = exchange(
+            "storage probe: seen", (node, visible, failure), list, timeout, what=f"storage probe {directory}"
+        )
         _raise_failures(f"storage probe {directory}", [f for _, _, f in seen if f is not None])
     finally:
         if path is not None:
