@@ -289,7 +289,22 @@ def _spawned_writers_and_readers(rank, root):
     out["failed_save"] = _outcome(lambda: _learner(bad, True).save("x"))
     out["missing_load"] = _outcome(lambda: tab.load("missing"))
     out["untrusted"] = _outcome(lambda: rf.load_learner(os.path.join(root, "any.pkl")))
+    # last, since it ends the job: rank 1 fails alone in a late after_epoch callback during DDP training
+    out["fails_alone"] = _outcome(lambda: _fit_watch(tab, 3, FailAlone(rank=1, epoch=1)))
     return out
+
+
+class FailAlone(Callback):
+    """Raise on one rank only, after the trackers (as a full disk under a logger would)."""
+
+    order = 70
+
+    def __init__(self, rank, epoch):
+        self.fail_rank, self.fail_epoch = rank, epoch
+
+    def after_epoch(self):
+        if ranksafe.rank() == self.fail_rank and self.epoch == self.fail_epoch:
+            raise OSError(28, "No space left on device (injected on one rank)")
 
 
 def test_spawned_without_rank_one_writer_shared_failures(tmp_path):
@@ -311,6 +326,11 @@ def test_spawned_without_rank_one_writer_shared_failures(tmp_path):
         m = v["missing_load"]
         assert "RankFailure" in m["error"] and "FileNotFoundError" in m["error"] and m["seconds"] < 5, m
         assert "UntrustedCheckpoint" in v["untrusted"]["error"]
+    # one rank failing alone mid-fit: the other raises at once (RANKSAFE_TIMEOUT is 30 s, PG timeout 60 s)
+    assert r1["fails_alone"]["error"][0] == "OSError"
+    f = r0["fails_alone"]
+    assert "RankFailure" in f["error"] and "OSError" in f["error"] and f["ranks"] == [1], f
+    assert f["seconds"] < 15, f  # the whole fit up to the failure, then the abort; not a 30-60 s wait
 
 
 # ------------------------------------------------------------------------------ one process: stock behaviour

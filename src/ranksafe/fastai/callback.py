@@ -8,8 +8,11 @@ While attached to a Learner it gives that Learner (that instance only, never the
   ``TrackerCallback`` reads it (order 60+), every rank replaces its epoch record by rank 0's. So
   ``SaveModelCallback``, ``EarlyStoppingCallback``, ``ReduceLROnPlateau`` and any other tracker see the same
   value on every rank and decide the same way: save together, stop at the same epoch. Rank 0's record is
-  the one the CSV log and the progress bar show, so what is logged is what was decided. One small
-  collective per epoch, nothing else when nothing is saved.
+  the one the CSV log and the progress bar show, so what is logged is what was decided.
+* **failures**: ``fit`` runs under :func:`ranksafe.abort_on_error`, and every epoch starts with a barrier:
+  a rank that raises in a callback (a full disk under the log, a tracker) stops every rank at their next
+  ranksafe collective, before they enter the next epoch's gradient all-reduce, where only the process
+  group's own timeout would end the wait. Two small collectives per epoch in all when nothing is saved.
 * **CSVLogger**: only rank 0 opens and writes the log; a failure to open it is raised on every rank.
 * **lr_find**: one temporary model, named by rank 0, written once, loaded by every rank, and removed once
   after every rank has loaded it.
@@ -33,7 +36,7 @@ from fastai.learner import Learner
 from fastcore.foundation import L
 
 from .. import topology
-from ..collectives import broadcast, together
+from ..collectives import barrier, broadcast, together
 from .cpu import prepare_distributed
 from .learner import LEARNER_METHODS, RankSafeLearner
 
@@ -150,6 +153,11 @@ class RankSafe(Callback):
         return state
 
     # Events
+    def before_epoch(self) -> None:
+        """Every rank arrives here, or every rank learns which one failed (instead of hanging in DDP)."""
+        if topology.world_size() >= 2 and not hasattr(self.learn, "gather_preds"):
+            barrier("fastai: epoch start")
+
     def before_fit(self) -> None:
         if topology.world_size() < 2:
             return

@@ -31,7 +31,7 @@ from fastcore.foundation import L
 from fastcore.xtras import load_pickle
 
 from .. import saving, topology
-from ..collectives import together
+from ..collectives import abort_on_error, together
 from ..errors import UntrustedCheckpoint
 from ..files import atomic_save
 
@@ -111,7 +111,7 @@ def load_model(
     torch_load_kwargs.pop("weights_only", None)
     with _safe_globals():
         state = saving.load(file, map_location=_device(device), weights_only=not trusted, **torch_load_kwargs)
-    with together(f"load_state_dict {file}"):
+    with together("load_state_dict", what=f"load_state_dict {file}"):
         _apply_state(model, opt, state, with_opt, strict, clean_keys)
 
 
@@ -145,7 +145,7 @@ def load_encoder(learn: Learner, file: str, device: Any = None, trusted: bool = 
     wgts = saving.load(target, map_location=device, weights_only=not trusted)
     from fastai.text.learner import clean_raw_keys
 
-    with together(f"load_state_dict {target}"):
+    with together("load_state_dict", what=f"load_state_dict {target}"):
         _encoder(learn).load_state_dict(clean_raw_keys(wgts))
     learn.freeze()
     return learn
@@ -180,9 +180,9 @@ def load_pretrained(
 
     wgts = saving.load(wgts_fname, map_location="cpu", weights_only=not trusted)
     old_vocab = None
-    with together(f"load vocabulary {vocab_fname}"):
+    with together("load vocabulary", what=f"load vocabulary {vocab_fname}"):
         old_vocab = _read_pickle(vocab_fname, trusted)
-    with together(f"load_state_dict {wgts_fname}"):
+    with together("load_state_dict", what=f"load_state_dict {wgts_fname}"):
         if "model" in wgts:
             wgts = wgts["model"]
         wgts = match_embeds(wgts, old_vocab, _get_text_vocab(learn.dls))
@@ -267,7 +267,7 @@ def learner_export(
 ) -> Path:
     """Export the Learner for inference (no data, no optimizer state), from rank 0, atomically; collective."""
     target = Path(self.path) / fname
-    with together(f"export {target}"):
+    with together("export", what=f"export {target}"):
         if topology.is_main():
             self._end_cleanup()
             old_dls, state = self.dls, (self.opt.state_dict() if self.opt is not None else None)
@@ -342,7 +342,19 @@ for _f, _doc in (
 ):
     _f.__doc__ = _doc
 
+
+def learner_fit(self: Learner, *args: Any, **kwargs: Any) -> None:
+    """``Learner.fit`` whose exception on one rank reaches every rank at once (:func:`ranksafe.abort_on_error`).
+
+    Without it, a rank that raises in a callback leaves the others waiting at their next collective until
+    the timeout.
+    """
+    with abort_on_error():
+        type(self).fit(self, *args, **kwargs)
+
+
 LEARNER_METHODS: dict[str, Callable] = {
+    "fit": learner_fit,
     "save": learner_save,
     "load": learner_load,
     "export": learner_export,
@@ -361,6 +373,11 @@ class RankSafeLearner:
     are the collective versions above, and every instance gets the :class:`RankSafe` callback for the
     decisions taken during ``fit`` (trackers, CSV log, ``lr_find``).
     """
+
+    def fit(self, *args: Any, **kwargs: Any) -> None:
+        """``fit`` whose exception on one rank reaches every rank at once (:func:`ranksafe.abort_on_error`)."""
+        with abort_on_error():
+            super().fit(*args, **kwargs)  # type: ignore[misc]
 
     save = learner_save
     load = learner_load
