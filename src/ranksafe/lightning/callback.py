@@ -13,6 +13,8 @@ exits, never learning why. From ``setup`` on, this callback guards the strategy 
   :class:`~ranksafe.CorruptCheckpoint` on every rank, not on some while the others train on.
 * ModelCheckpoint and EarlyStopping read their monitored metric through :class:`MonitorAgreement`, so a
   metric logged without ``sync_dist=True`` gives one decision and one file name on every rank.
+* An exception on one rank (``on_exception``) is posted with :func:`ranksafe.abort`: ranks waiting in a
+  ranksafe collective raise at once instead of waiting for the timeout.
 
 In a single process nothing is wrapped: behaviour and files are stock Lightning's.
 """
@@ -28,7 +30,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 
 from .. import topology
-from ..collectives import broadcast, together
+from ..collectives import abort, agree, broadcast, together
 from ..files import clean_orphans
 from ..saving import prepare_dir
 from .monitor import MonitorAgreement, MonitorOp
@@ -125,13 +127,19 @@ class RankSafe(Callback):
             elif isinstance(cb, EarlyStopping):
                 _wrap_once(cb, "_evaluate_stopping_criteria", lambda f, m=cb.monitor: self.monitors.wrap_criteria(f, m))
 
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """A rank failing alone stops the others at their current or next ranksafe collective, at once."""
+        abort(exception)
+
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """ModelCheckpoint resolved its directory in its own ``setup``: prepare it now, before the first save."""
         for cb in trainer.checkpoint_callbacks:
             if not isinstance(cb, ModelCheckpoint) or not cb.dirpath or "://" in str(cb.dirpath):
                 continue
             dirpath = os.fspath(cb.dirpath)
-            if self.overwrite and not _inside(trainer.ckpt_path, dirpath):
+            # ckpt_path="last" is resolved by each rank on its own: agree before taking a collective branch
+            resuming_here = self.overwrite and agree(_inside(trainer.ckpt_path, dirpath), "any", name="resume dir")
+            if self.overwrite and not resuming_here:
                 prepare_dir(dirpath, overwrite=True)
             elif self.overwrite and topology.is_main():
                 warnings.warn(f"RankSafe(overwrite=True) keeps {dirpath}: the run resumes from it", stacklevel=2)
