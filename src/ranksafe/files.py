@@ -23,9 +23,11 @@ import pickle
 import secrets
 import socket
 import struct
+import threading
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any
 
 import torch
@@ -106,19 +108,62 @@ def clean_orphans(directory: str | os.PathLike, prefix: str = "") -> list[str]:
     return removed
 
 
-class _ChecksummingWriter:
-    """A write-only file wrapper that counts and CRCs every byte on its way to disk."""
+_OVERLAP = 1 << 20  # writes at least this large are hashed in a helper thread while they are written
+_BUFFERING = 256 << 10  # writes larger than the buffer go straight to the fd: no copy through it
+_pool_state: dict[int, ThreadPoolExecutor] = {}
+_pool_lock = threading.Lock()
 
-    def __init__(self, f: IO[bytes]):
+
+def _crc_pool() -> ThreadPoolExecutor:
+    """The helper threads that hash while the caller writes, one pool per process.
+
+    Keyed by pid: a child forked while the pool existed inherits a pool whose threads do not exist in it,
+    and submitting to that one would never run.
+    """
+    pid = os.getpid()
+    with _pool_lock:
+        pool = _pool_state.get(pid)
+        if pool is None:
+            _pool_state.clear()
+            pool = _pool_state[pid] = ThreadPoolExecutor(max_workers=4, thread_name_prefix="ranksafe-crc")
+        return pool
+
+
+class _ChecksummingWriter:
+    """A write-only file wrapper that counts and CRCs every byte on its way to disk.
+
+    A large write is hashed by a helper thread *while* the caller writes it (``zlib.crc32`` and the file
+    write both release the GIL), so the checksum costs little more than the write itself. ``write`` returns
+    only once both are done: torch hands us views of its own buffers, which may be freed right after.
+    """
+
+    def __init__(self, f: IO[bytes], on_first_write: Callable[[], None] | None = None):
         self._f = f
+        self._on_first_write = on_first_write
         self.length = 0
         self.crc = 0
+        self.error: OSError | None = None  # the first write error, which torch.save may mask with its own
 
     def write(self, data) -> int:
-        n = self._f.write(data)
-        self.crc = zlib.crc32(data, self.crc)
-        self.length += len(data) if n is None else n
-        return len(data) if n is None else n
+        if self._on_first_write is not None:
+            self._on_first_write()
+            self._on_first_write = None
+        size = memoryview(data).nbytes
+        try:
+            if size < _OVERLAP:
+                n = self._f.write(data)
+                self.crc = zlib.crc32(data, self.crc)
+            else:
+                crc = _crc_pool().submit(zlib.crc32, data, self.crc)
+                try:
+                    n = self._f.write(data)
+                finally:  # even when the write failed: the helper may still be reading data
+                    self.crc = crc.result()
+        except OSError as e:
+            self.error = self.error or e
+            raise
+        self.length += size if n is None else n
+        return size if n is None else n
 
     def flush(self) -> None:
         self._f.flush()
@@ -151,7 +196,7 @@ class AtomicFile:
             # mkstemp-style 0600 while writing; the published file gets the mode a plain open() would give
             mode_bits = os.stat(self.target).st_mode & 0o777 if os.path.exists(self.target) else 0o666 & ~_umask()
             os.fchmod(fd, mode_bits)
-            self._file = os.fdopen(fd, mode, buffering=_CHUNK) if "b" in mode else os.fdopen(fd, mode)
+            self._file = os.fdopen(fd, mode, buffering=_BUFFERING) if "b" in mode else os.fdopen(fd, mode)
         except BaseException:
             os.close(fd)
             self.abort()
@@ -202,11 +247,58 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
         raise
 
 
+_zip_crc_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _torch_zip_crc_off() -> Iterator[Callable[[], None]]:
+    """Turn off torch's per-record zip CRC32 for one ``torch.save``; yield the callable that turns it back.
+
+    The footer's CRC32 covers every byte of the file, and ``torch.load`` never checks the zip CRCs, so
+    computing them too only doubles the hashing (their bytes stay zero). The option is process-global
+    (``torch.serialization.set_crc32_options``) and torch reads it once, when ``torch.save`` builds its zip
+    writer, before the first byte is written: the caller restores it at its first write, and at the latest
+    when the block ends. A lock covers that window, so concurrent saves through ranksafe restore the
+    caller's setting in order, and only that window (mostly the pickling of the object) is serialised. A
+    plain ``torch.save`` in another thread inside the window writes zero zip CRCs (still loadable).
+    """
+    _zip_crc_lock.acquire()
+    previous: bool | None = None
+
+    def restore() -> None:
+        nonlocal previous
+        if previous is not None:
+            torch.serialization.set_crc32_options(previous)
+            previous = None
+            _zip_crc_lock.release()
+
+    try:
+        previous = torch.serialization.get_crc32_options()
+        torch.serialization.set_crc32_options(False)
+    except BaseException:
+        _zip_crc_lock.release()
+        raise
+    try:
+        yield restore
+    finally:
+        restore()
+
+
 def atomic_save(obj: Any, path: str | os.PathLike, **torch_save_kwargs: Any) -> str:
-    """``torch.save`` ``obj`` to ``path`` atomically, with an integrity footer. Local, no collectives."""
-    with atomic_write(path) as f:
-        w = _ChecksummingWriter(f)
-        torch.save(obj, w, **torch_save_kwargs)
+    """``torch.save`` ``obj`` to ``path`` atomically, with an integrity footer. Local, no collectives.
+
+    torch's own zip CRCs are skipped (the footer covers the same bytes, see :func:`_torch_zip_crc_off`).
+    """
+    with atomic_write(path) as f, _torch_zip_crc_off() as restore:
+        w = _ChecksummingWriter(f, on_first_write=restore)
+        try:
+            torch.save(obj, w, **torch_save_kwargs)
+        except Exception as e:
+            # torch's zip writer turns a failed write (disk full, file too large) into a RuntimeError of its
+            # own when it closes the archive; callers (and RankFailure) should see the OSError that happened
+            if w.error is not None and e is not w.error:
+                raise w.error from None
+            raise
         f.write(w.footer())
     return os.fspath(path)
 
