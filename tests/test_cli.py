@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -15,3 +16,63 @@ def test_demo_runs_and_shows_naive_errors_and_none_for_ranksafe():
     assert out.returncode == 0, out.stdout + out.stderr
     assert re.search(r"ranksafe \(prepare_dir.*: 0 errors in 15 rank-rounds", out.stdout)
     assert "failure raised on 3/3 ranks" in out.stdout
+
+
+def _cli(capsys, *args) -> tuple[int, str]:
+    from ranksafe.cli import main
+
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def test_verify_files_and_step_directories(tmp_path, capsys):
+    import torch
+
+    import ranksafe
+
+    good = ranksafe.atomic_save({"w": torch.ones(1000)}, tmp_path / "good.pth")
+    torch.save({"w": torch.ones(1000)}, tmp_path / "stock.pth")
+    data = bytearray((tmp_path / "good.pth").read_bytes())
+    data[len(data) // 2] ^= 4
+    (tmp_path / "flipped.pth").write_bytes(data)
+    (tmp_path / "cut.pth").write_bytes((tmp_path / "stock.pth").read_bytes()[:-30])
+    code, out = _cli(capsys, "verify", good)
+    assert code == 0 and out.startswith(f"OK {good}: ") and out.endswith("KiB, crc32 verified\n")
+    code, out = _cli(capsys, "verify", str(tmp_path / "stock.pth"))
+    assert code == 0 and "no ranksafe footer" in out
+    for bad in ("flipped.pth", "cut.pth", "missing.pth"):
+        code, out = _cli(capsys, "verify", str(tmp_path / bad))
+        assert code == 1 and out.startswith("BAD") and bad in out, out
+
+    manager = ranksafe.CheckpointManager(tmp_path / "run", keep=5)
+    for step in (1, 2):
+        manager.save(step, {"w": torch.full((100,), float(step))})
+    step2 = manager.step_dir(2)
+    code, out = _cli(capsys, "verify", step2)
+    assert code == 0 and "step 2" in out and "checksums verified" in out
+    state = next(p for p in os.listdir(step2) if p.endswith(".pt"))
+    with open(os.path.join(step2, state), "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff")
+    code, out = _cli(capsys, "verify", step2)
+    assert code == 1 and state in out and "checksum" in out
+
+    code, out = _cli(capsys, "ls", str(tmp_path / "run"), "--deep")
+    lines = out.splitlines()
+    assert code == 0 and "committed" in lines[1] and "corrupt" in lines[2] and "checksum" in lines[3], out
+
+
+def test_doctor_under_torchrun(tmp_path):
+    from tests.ranks import free_port
+
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={free_port()}",
+         "-m", "ranksafe", "doctor", str(tmp_path), "--megabytes", "8"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "2 process(es) on 1 node(s)" in out.stdout
+    assert f"{tmp_path}: shared" in out.stdout and "writers: ranks [0]" in out.stdout
+    assert re.search(r"rank 0: \d+ MiB/s", out.stdout)
+    assert os.listdir(tmp_path) == []  # the probes cleaned up after themselves

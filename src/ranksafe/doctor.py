@@ -1,0 +1,92 @@
+"""``ranksafe doctor ROOT``: what ranksafe sees of this job and of ROOT, in plain language.
+
+Run it the way the training runs (``torchrun --nproc_per_node=N -m ranksafe doctor ROOT``, ``srun ...``) so
+that it meets the same ranks, nodes and file systems. It reports the topology, whether ROOT is shared or
+node-local (and so who writes there), the latency of a barrier and an agreement, and ROOT's write bandwidth
+for an atomic, fsynced save. Only rank 0 prints.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from . import topology
+from .collectives import agree, all_gather, barrier
+from .files import atomic_save
+from .storage import placement
+
+
+def _init() -> bool:
+    """Join the launcher's process group if there is one; True when this process created it."""
+    if topology.is_distributed() or topology.world_size() == 1:
+        return False
+    dist.init_process_group("gloo")
+    return True
+
+
+def _latency(fn, repeats: int = 20) -> float:
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples) * 1000
+
+
+def run(root: str, megabytes: int = 64) -> int:
+    created = _init()
+    try:
+        return _report(os.path.abspath(root), megabytes)
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def _report(root: str, megabytes: int) -> int:
+    me = {"rank": topology.rank(), "local": topology.local_rank(), "host": topology.hostname()}
+    ranks = all_gather(me, name="doctor: topology")
+    nodes = all_gather(topology.node_rank(), name="doctor: nodes")
+    where = placement(root)
+    barrier_ms = _latency(lambda: barrier("doctor"))
+    agree_ms = _latency(lambda: agree(1.0, "max", name="doctor"))
+
+    seconds = None
+    if where.writer:
+        state = {"probe": torch.zeros(megabytes * (1 << 20) // 4)}
+        path = os.path.join(root, f".ranksafe-doctor-{topology.rank()}.pt")
+        start = time.perf_counter()
+        atomic_save(state, path)
+        seconds = time.perf_counter() - start
+        os.unlink(path)
+    speeds = all_gather(None if seconds is None else megabytes / seconds, name="doctor: bandwidth")
+
+    if not topology.is_main():
+        return 0
+    world, n_nodes = len(ranks), len(set(nodes))
+    print(f"ranksafe doctor: {world} process(es) on {n_nodes} node(s); process group: {topology.is_distributed()}")
+    for r, node in zip(ranks, nodes, strict=True):
+        print(f"  rank {r['rank']:>3}  node {node}  local rank {r['local']}  host {r['host']}")
+    writers = [r for r, s in enumerate(speeds) if s is not None]
+    print(f"\n{root}: {where.kind}")
+    if where.kind == "shared":
+        verdict = "every rank sees the same files: global rank 0 writes (writer='main', storage='shared')"
+    elif where.kind == "local":
+        verdict = (
+            "each node has its own copy: the local rank 0 of every node writes (writer='local', storage='local'); "
+            "a file written by rank 0 alone would be missing on the other nodes"
+        )
+    else:
+        verdict = "some nodes share this directory, others do not: one writer per group of nodes (storage='auto')"
+    print(f"  verdict: {verdict}")
+    print(f"  writers: ranks {writers}")
+    print("\nlatency (median of 20):")
+    print(f"  barrier {barrier_ms:.2f} ms, agree {agree_ms:.2f} ms")
+    print(f"\natomic, fsynced save of {megabytes} MiB to {root}:")
+    for r in writers:
+        print(f"  rank {r}: {speeds[r]:.0f} MiB/s")
+    return 0
