@@ -13,6 +13,11 @@ rank knows the temporary and final paths; the writer(s) chosen by :mod:`ranksafe
 and delete; every rank may write side files between create and commit. A save costs three exchanges
 whatever the world size, and ranks that write nothing make no file-system call.
 
+With ``async_save=True`` the writer's local part of a save (write the files, the manifest, rename, apply
+retention) runs on an :class:`~ranksafe.AsyncSaver` thread: :meth:`CheckpointManager.save` returns once the
+state is snapshotted, and a background failure is raised on every rank by the next :meth:`~CheckpointManager.check`
+(or the next save, which checks first).
+
 :func:`verify_step` and :func:`list_steps` read a root without collectives (for ``ranksafe verify`` /
 ``ranksafe ls`` and for humans).
 """
@@ -34,9 +39,11 @@ from typing import Any, Literal
 import torch
 
 from . import topology
-from .collectives import exchange, together
+from .async_save import AsyncSaver
+from .collectives import exchange, share_outcome, together
 from .errors import CorruptCheckpoint, Failure, rank_failure
 from .files import TMP_SUFFIX, _ChecksummingWriter, atomic_write, fsync_dir, load_file
+from .snapshot import StateDictLock
 from .storage import Placement, Storage, placement
 
 MANIFEST = "MANIFEST.json"
@@ -262,10 +269,17 @@ def _shard(rank: int) -> str:
 class CheckpointManager:
     """Numbered checkpoints under ``root``: atomic step directories, agreed ``latest``, verified load, retention.
 
-    Every method is a collective (all ranks call it, in the same order). ``storage``: ``auto`` probes once
-    whether ``root`` is shared or node-local (:mod:`ranksafe.storage`); ``shared`` / ``local`` say so.
-    ``keep``: committed steps to keep (``None``: all); only writers delete, never the newest committed
-    step or one being loaded.
+    Every method is a collective (all ranks call it, in the same order), except :meth:`wait` and
+    :meth:`step_dir`. ``storage``: ``auto`` probes once whether ``root`` is shared or node-local
+    (:mod:`ranksafe.storage`); ``shared`` / ``local`` say so. ``keep``: committed steps to keep (``None``:
+    all); only writers delete, never the newest committed step or one being loaded, and never before the
+    new step is committed.
+
+    ``async_save``: :meth:`save` returns once the state is snapshotted; the writer commits in the background
+    (one save in flight: the next save, :meth:`latest` and :meth:`load` wait for it first). ``lock``: the
+    :class:`~ranksafe.StateDictLock` the training loop holds around the optimizer step, so that a snapshot
+    taken from another thread never sees a half-updated state. Call :meth:`check` regularly and
+    :meth:`close` at the end of training.
     """
 
     def __init__(
@@ -275,6 +289,8 @@ class CheckpointManager:
         storage: Storage = "auto",
         prefix: str = "step_",
         timeout: float | None = None,
+        async_save: bool = False,
+        lock: StateDictLock | None = None,
     ):
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise ValueError(f"keep must be a positive int or None, not {keep!r}")
@@ -286,6 +302,13 @@ class CheckpointManager:
         self.loaded_step: int | None = None  # the step the last load() returned (after any fallback)
         self._loading: set[int] = set()
         self._pattern = re.compile(rf"^{re.escape(prefix)}(\d+)$")
+        # writer="all": this manager, not the saver, decides who writes (the storage placement)
+        self._saver = AsyncSaver(lock, writer="all", name="checkpoint") if async_save else None
+
+    @property
+    def async_save(self) -> bool:
+        """Whether the writer commits in the background."""
+        return self._saver is not None
 
     @property
     def placement(self) -> Placement:
@@ -312,6 +335,10 @@ class CheckpointManager:
         for name in writer_files:
             check_name(name, "file name")
         where = self.placement
+        if self._saver is not None:
+            if where.writer:
+                self._saver.wait()  # create() removes temporaries: the commit in flight must be done first
+            self.check()  # a failed background commit stops every rank here, not a step later
         commit = AtomicDir(self.step_dir(step))
         with together(f"checkpoint {step}: create", self.timeout):
             if where.writer:
@@ -335,15 +362,21 @@ class CheckpointManager:
         for node, entries, _ in posted:
             if where.group is None or node in where.group:
                 tx.entries.update(entries)
-        with together(f"checkpoint {step}: commit", self.timeout):
-            if where.writer:
-                self._commit(commit, tx, writer_files)
+        if self._saver is None:
+            with together(f"checkpoint {step}: commit", self.timeout):
+                if where.writer:
+                    self._commit(commit, tx, writer_files)
+                    self._retain(newest=step)
+        elif where.writer:  # the snapshot of writer_files is taken now; a failure is reported by check()
+            self._saver.submit(
+                writer_files, lambda snapshot: self._commit(commit, tx, snapshot), lambda _: self._retain(newest=step)
+            )
 
     def _commit(self, commit: AtomicDir, tx: StepWriter, writer_files: Mapping[str, Any]) -> str:
-        """Writer-local, no collectives: write ``writer_files``, commit the step, apply retention.
+        """Writer-local, no collectives: write ``writer_files`` and commit the step; return its directory.
 
         Everything a background saver has to run for a step, once the directory is open and every rank's
-        side files are in: ``lambda snapshot: self._commit(commit, tx, {STATE: snapshot})``.
+        side files are in. Retention (:meth:`_retain`) comes after, and only once this returned.
         """
         try:
             for name, obj in writer_files.items():
@@ -352,7 +385,6 @@ class CheckpointManager:
         except BaseException:
             commit.abort()
             raise
-        self._retain(newest=tx.step)
         return commit.final
 
     def save(self, step: int, state: Any, extra_files: Mapping[str, Any] | None = None, sharded: bool = False) -> str:
@@ -361,6 +393,10 @@ class CheckpointManager:
         The writer(s) write ``state`` as ``state.pt`` (``sharded=True``: every rank writes its own shard
         instead) and ``extra_files`` (name -> bytes, str, or an object for ``torch.save``). For per-rank
         side files use :meth:`saving`.
+
+        With ``async_save`` it returns once ``state`` and ``extra_files`` are snapshotted: the directory it
+        returns is committed later, in the background (:meth:`wait`). Shards and side files are written
+        before it returns (every rank's files must be in before the writer commits).
         """
         files = {**({} if sharded else {STATE: state}), **(extra_files or {})}
         with self.saving(step, files) as tx:
@@ -398,6 +434,8 @@ class CheckpointManager:
 
     def _common(self) -> list[int]:
         """Steps committed on every writer's copy, newest first; one exchange, agreed."""
+        if self.placement.writer:
+            self.wait()  # the step in flight, and the retention after it, are done before listing
         mine = self._committed() if self.placement.writer else None
         return exchange("checkpoint: steps", mine, _newest_common, self.timeout, what=f"checkpoint {self.root}: steps")
 
@@ -447,6 +485,35 @@ class CheckpointManager:
             self._loading.difference_update(candidates)
         self.loaded_step = s
         return result
+
+    # -- background saves ------------------------------------------------------------------------------
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until this rank's background commit (if any) is done; False on timeout. Local.
+
+        Never raises the commit's error: :meth:`check` does, on every rank at once.
+        """
+        return True if self._saver is None else self._saver.wait(timeout)
+
+    def check(self) -> None:
+        """Raise :class:`~ranksafe.RankFailure` on every rank if a background commit failed on any rank.
+
+        Collective, one exchange (also without ``async_save``: every rank may call it unconditionally).
+        It does not wait for the commit in flight; each failure is reported once. In a single process
+        the original error is raised unchanged.
+        """
+        if self._saver is not None:
+            self._saver.check()
+        else:
+            share_outcome("checkpoint: check", None, self.timeout)
+
+    def close(self) -> None:
+        """Wait for the commit in flight, then :meth:`check`; collective. Call it at the end of training.
+
+        Afterwards no thread of this manager is running. The manager stays usable.
+        """
+        self.wait()
+        self.check()
 
     def _verify(self, step: int) -> BaseException | None:
         """The agreed verdict of the writers' deep check of ``step``: None, or the error to raise everywhere."""

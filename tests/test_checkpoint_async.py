@@ -1,0 +1,198 @@
+"""CheckpointManager(async_save=True) on real ranks: snapshot then background commit, retention after the
+commit, background failures raised on every rank, no thread left after close().
+
+Gated runs make the races deterministic: the writer's background commit waits until the calling thread has
+done the dangerous thing (mutate the state, delete an older step), then commits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import threading
+
+import torch
+
+import ranksafe
+from ranksafe import StateDictLock, collectives
+from ranksafe.checkpoint import CheckpointManager
+from tests.ranks import run_ranks
+
+_STEP = re.compile(r"^step_\d+$")
+
+
+class Gated(CheckpointManager):
+    """A manager whose writer-local commit waits for ``gate`` (when one is set) before it starts."""
+
+    gate: threading.Event | None = None
+
+    def _commit(self, commit, tx, writer_files):
+        gate = self.gate
+        if gate is not None:
+            assert gate.wait(30), "gate never opened"
+        return super()._commit(commit, tx, writer_files)
+
+
+def _committed(root: str) -> int:
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return sum(1 for n in names if _STEP.match(n) and os.path.isfile(os.path.join(root, n, "MANIFEST.json")))
+
+
+class RenameLog:
+    """Every os.rename under ``root`` in this process: the thread that made it and the committed count after.
+
+    Steps appear (commit) and disappear (retention) only by a rename, so the minimum over this log is the
+    minimum number of committed steps at any moment.
+    """
+
+    def __init__(self, root: str):
+        self.root, self.events, self._orig = root, [], os.rename
+        os.rename = self
+
+    def __call__(self, src, dst, *a, **k):
+        self._orig(src, dst, *a, **k)
+        if os.path.dirname(os.fspath(dst)) == self.root:
+            self.events.append((threading.current_thread().name, _committed(self.root)))
+
+    def close(self):
+        os.rename = self._orig
+
+
+def _snapshot_then_mutate(mgr: Gated, step: int) -> float:
+    """Save a state, mutate it in place before the commit may start, return the committed value."""
+    state = {"w": torch.full((1000,), float(step))}
+    mgr.gate = threading.Event()
+    mgr.save(step, state)  # returns while the writer's commit waits for the gate: the save is asynchronous
+    state["w"].add_(100.0)  # the training step that follows the save
+    mgr.gate.set()
+    mgr.gate = None
+    return mgr.load(step)["w"][0].item()
+
+
+def _async_manager(rank, base):
+    out = {}
+    root = os.path.join(base, "ckpt")
+
+    # 1. the committed step holds the state as it was when save() returned; control: no snapshot
+    mgr = Gated(root, keep=2, storage="shared", async_save=True)
+    out["snapshot"] = _snapshot_then_mutate(mgr, 1)
+    naive = Gated(os.path.join(base, "naive"), keep=2, storage="shared", async_save=True)
+    naive._saver.staging.take = lambda state: state  # the background thread writes the live tensors
+    out["naive_snapshot"] = _snapshot_then_mutate(naive, 1)
+    naive.close()
+
+    # 2. keep=2 over several saves: retention runs after the commit, on the writer's background thread
+    log = RenameLog(os.path.abspath(root))
+    seqs = []
+    for step in range(2, 7):
+        seq = collectives._session.seq
+        mgr.save(step, {"w": torch.full((1000,), float(step))})
+        seqs.append(collectives._session.seq - seq)
+    out["latest"] = mgr.latest()  # waits for the commit in flight
+    log.close()
+    out["renames"], out["exchanges"] = log.events, seqs
+    out["listing"] = sorted(os.listdir(root))
+    # control: deleting the step before last as soon as save() returns, as a synchronous loop would
+    naive_root = os.path.join(base, "naive-retention")
+    naive = Gated(naive_root, keep=None, storage="shared", async_save=True)
+    naive.save(1, {"w": torch.zeros(4)})
+    naive.save(2, {"w": torch.zeros(4)})
+    naive.gate = threading.Event()
+    naive.save(3, {"w": torch.zeros(4)})
+    if rank == 0:
+        shutil.rmtree(naive.step_dir(1))
+        out["naive_committed"] = _committed(naive_root)  # step 3 is not committed yet
+    naive.gate.set()
+    naive.close()
+
+    # 3. a background failure: a file stands where step 7's directory must go (rank 0 is the only writer)
+    if rank == 0:
+        for step in (7, 8):
+            open(mgr.step_dir(step), "w").close()
+    ranksafe.barrier("files in the way")
+    mgr.save(7, {"w": torch.zeros(4)})  # returns normally on every rank: the commit has not run yet
+    mgr.wait()  # local: rank 0's commit has failed now
+    out["failed_flag"] = mgr._saver.failed
+    out["check"] = _outcome(mgr.check)
+    out["check_again"] = _outcome(mgr.check)  # reported once
+    mgr.save(8, {"w": torch.zeros(4)})
+    mgr.wait()
+    out["next_save"] = _outcome(lambda: mgr.save(9, {"w": torch.zeros(4)}))  # the save checks first
+    out["after_failures"] = mgr.latest()
+
+    # 4. close() with a commit in flight: waits for it, then no saver thread is left
+    mgr.gate = threading.Event()
+    mgr.save(10, {"w": torch.zeros(4)})
+    out["in_flight"] = mgr._saver.in_flight
+    threading.Timer(0.3, mgr.gate.set).start()
+    mgr.close()
+    out["threads_left"] = [t.name for t in threading.enumerate() if t.name.startswith("ranksafe")]
+    out["final"] = mgr.latest()
+    return out
+
+
+def _outcome(fn):
+    try:
+        fn()
+        return None
+    except Exception as e:
+        return {"types": [t.__name__ for t in type(e).__mro__], "ranks": getattr(e, "ranks", None), "msg": str(e)}
+
+
+def test_async_saves_snapshot_commit_in_the_background_retain_after_commit_and_share_failures(tmp_path):
+    values = run_ranks(_async_manager, 2, args=(str(tmp_path),), timeout=120).values
+    r0, r1 = values
+    for v in values:
+        # the step holds the pre-mutation values; the control's background write saw the mutation
+        assert v["snapshot"] == 1.0 and v["naive_snapshot"] == 101.0
+        assert v["latest"] == 6 and v["listing"] == ["step_00000005", "step_00000006"]
+        assert v["exchanges"] == [3] * 5  # check + create + written; the commit itself is not a collective
+        # a failed background commit raises on every rank at the next check, naming rank 0, once
+        c = v["check"]
+        assert c and "RankFailure" in c["types"] and "OSError" in c["types"] and c["ranks"] == [0], c
+        assert v["check_again"] is None
+        n = v["next_save"]
+        assert n and "RankFailure" in n["types"] and n["ranks"] == [0], n
+        assert v["after_failures"] == 6  # neither failed step (nor step 9) is committed anywhere
+        assert v["threads_left"] == [] and v["final"] == 10, v["threads_left"]
+    assert r0["in_flight"] and not r1["in_flight"]  # close() had a commit to wait for
+    assert r0["failed_flag"] and not r1["failed_flag"]  # only the writer knew before the check
+    # every commit and every deletion ran on the background thread, and at no moment were fewer than 2 steps
+    # committed once 2 existed (commit first, then delete)
+    renames = r0["renames"]
+    assert {name for name, _ in renames} == {"ranksafe-async-save"}
+    counts = [n for _, n in renames]
+    assert counts == [2] + [3, 2] * 4, counts  # step 2 joins step 1; then each commit (3) precedes a deletion (2)
+    assert r1["renames"] == []  # rank 1 writes nothing
+    assert r0["naive_committed"] == 1  # control: the naive deletion left a single committed step
+
+
+def _half_step(state, lock, half_done: threading.Event, go_on: threading.Event):
+    """An optimizer step on another thread that updates the weights in two halves."""
+    with lock:
+        state["w"][:500] += 1
+        half_done.set()
+        go_on.wait(5)
+        state["w"][500:] += 1
+
+
+def _save_during_step(root, lock) -> list[float]:
+    state = {"w": torch.zeros(1000)}
+    mgr = CheckpointManager(root, async_save=True, lock=lock)
+    half_done, go_on = threading.Event(), threading.Event()
+    held = lock.write() if lock else contextlib.nullcontext()
+    step = threading.Thread(target=_half_step, args=(state, held, half_done, go_on))
+    step.start()
+    half_done.wait(5)
+    threading.Timer(0.3, go_on.set).start()  # the step finishes a little later
+    mgr.save(1, state)
+    step.join()
+    mgr.close()
+    return sorted(set(mgr.load(1)["w"].tolist()))
+
+
+def test_a_lock_passed_in_makes_the_snapshot_wait_for_the_optimizer_step(tmp_path):
+    assert _save_during_step(tmp_path / "locked", StateDictLock()) == [1.0]  # the whole step, never half of it
+    assert _save_during_step(tmp_path / "control", None) == [0.0, 1.0]  # control: a torn, half-updated state
