@@ -1,0 +1,193 @@
+"""The fast path of atomic_save: torch's zip CRCs skipped only for our save, the footer CRC hashed in a helper
+thread while the bytes are written, early writeback. Each must leave every guarantee of the slow path intact.
+One process (plus forked / spawned children where the point is a process boundary)."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import zipfile
+import zlib
+
+import pytest
+import torch
+
+import ranksafe
+from ranksafe import files
+from ranksafe.errors import CorruptCheckpoint
+
+_BIG = 3 * (1 << 20) // 4  # float32 elements in 3 MiB: above the size hashed in the helper thread
+
+
+def _state(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Records below and above the helper-thread threshold, so both paths feed one running CRC."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "big": torch.randn(_BIG, generator=g),
+        "small": torch.randn(100, generator=g),
+        "big2": torch.randn(_BIG, generator=g),
+    }
+
+
+def _zip_crcs(path) -> list[int]:
+    with zipfile.ZipFile(path) as z:
+        return [info.CRC for info in z.infolist() if info.filename.split("/", 1)[-1].startswith("data/")]
+
+
+@pytest.fixture(autouse=True)
+def _zip_crc_option_back_to_default():
+    yield
+    torch.serialization.set_crc32_options(True)
+
+
+def test_footer_crc_is_the_crc_of_every_byte(tmp_path):
+    path = tmp_path / "m.pt"
+    ranksafe.atomic_save(_state(), path)
+    data = path.read_bytes()
+    payload, footer = data[: -files._FOOTER.size], data[-files._FOOTER.size :]
+    _, length, crc, _ = files._FOOTER.unpack(footer)
+    assert (length, crc) == (len(payload), zlib.crc32(payload))
+    assert files.verify_file(path) is True
+
+
+@pytest.mark.parametrize("before", [True, False])
+def test_zip_crcs_skipped_for_our_save_only_and_option_restored(tmp_path, before):
+    torch.serialization.set_crc32_options(before)
+    ranksafe.atomic_save(_state(), tmp_path / "ours.pt")
+    assert torch.serialization.get_crc32_options() is before
+    torch.save(_state(), tmp_path / "stock.pt")
+    assert _zip_crcs(tmp_path / "ours.pt") and set(_zip_crcs(tmp_path / "ours.pt")) == {0}
+    assert all(_zip_crcs(tmp_path / "stock.pt")) is before  # a plain torch.save after ours: the caller's choice
+    loaded = torch.load(tmp_path / "ours.pt", weights_only=True)  # stock torch reads files without zip CRCs
+    assert all(torch.equal(loaded[k], v) for k, v in _state().items())
+
+
+def test_option_restored_and_lock_free_after_a_failing_save(tmp_path):
+    with pytest.raises(Exception, match="pickle"):
+        ranksafe.atomic_save({"f": lambda: 0}, tmp_path / "bad.pt")  # fails while pickling: before any write
+    assert torch.serialization.get_crc32_options() is True
+    assert not files._zip_crc_lock.locked()
+    assert os.listdir(tmp_path) == []
+    ranksafe.atomic_save(_state(), tmp_path / "ok.pt")  # the next save is not blocked
+    assert files.verify_file(tmp_path / "ok.pt")
+
+
+_FSIZE_CHILD = textwrap.dedent(
+    """
+    import resource, sys, torch, ranksafe
+    from ranksafe import files
+    resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[2]), resource.RLIM_INFINITY))
+    try:
+        ranksafe.atomic_save({"w": torch.zeros(1 << 22)}, sys.argv[1])  # 16 MiB: fails inside a large write
+    except OSError as e:
+        print("ERR", e.errno, torch.serialization.get_crc32_options(), files._zip_crc_lock.locked())
+    """
+)
+
+
+def test_write_failing_mid_record_raises_the_oserror_and_restores_the_option(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-c", _FSIZE_CHILD, str(tmp_path / "m.pt"), str(4 << 20)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    # torch's zip writer would have turned this into RuntimeError("unexpected pos ..."): we raise the cause
+    assert out.stdout.split() == ["ERR", "27", "True", "False"], out.stderr
+    assert os.listdir(tmp_path) == []
+
+
+def test_bit_flip_in_a_large_record_is_detected_though_torch_load_accepts_it(tmp_path):
+    path = tmp_path / "m.pt"
+    ranksafe.atomic_save(_state(), path)
+    data = bytearray(path.read_bytes())
+    data[len(data) * 3 // 4] ^= 0x10  # inside "big2"'s bytes (written last), hashed by the helper thread
+    path.write_bytes(bytes(data))
+    assert not torch.equal(torch.load(path, weights_only=True)["big2"], _state()["big2"])  # loads wrong values
+    with pytest.raises(CorruptCheckpoint, match="checksum mismatch"):
+        ranksafe.load_file(path)
+
+
+def test_concurrent_saves_from_threads_are_all_valid(tmp_path):
+    errors: list[BaseException] = []
+
+    def saver(k: int) -> None:
+        try:
+            for i in range(4):
+                ranksafe.atomic_save(_state(seed=k), tmp_path / f"t{k}-{i}.pt")
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=saver, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert errors == [] and not any(t.is_alive() for t in threads)
+    for k in range(4):
+        for i in range(4):
+            path = tmp_path / f"t{k}-{i}.pt"
+            assert files.verify_file(path) is True
+            assert set(_zip_crcs(path)) == {0}
+            assert torch.equal(ranksafe.load_file(path)["big"], _state(seed=k)["big"])
+    assert torch.serialization.get_crc32_options() is True and not files._zip_crc_lock.locked()
+
+
+def _forked_child_result(fn) -> int:
+    """Run ``fn`` in a forked child; its exit status, or -1 if it had not finished within 10 s."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        code = 1
+        try:
+            code = fn()
+        finally:
+            os._exit(code)
+    for _ in range(1000):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        threading.Event().wait(0.01)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    return -1
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_save_in_a_forked_child_after_one_in_the_parent(tmp_path):
+    ranksafe.atomic_save(_state(), tmp_path / "parent.pt")  # the parent's helper pool now exists
+    inherited = files._crc_pool()
+
+    def naive() -> int:  # control: the inherited pool has no thread in the child, its work never runs
+        try:
+            inherited.submit(int, 1).result(timeout=3)
+        except TimeoutError:
+            return 7
+        return 0
+
+    def ours() -> int:
+        ranksafe.atomic_save(_state(), tmp_path / "child.pt")
+        return 0 if files.verify_file(tmp_path / "child.pt") else 1
+
+    assert _forked_child_result(naive) == 7
+    assert _forked_child_result(ours) == 0
+
+
+def test_large_saves_start_writeback_and_non_files_are_fine(tmp_path, monkeypatch):
+    if sys.platform == "linux":
+        assert files._sync_file_range is not None
+    calls: list[tuple[int, int]] = []
+    real = files._start_writeback
+    monkeypatch.setattr(files, "_start_writeback", lambda fd, offset: (calls.append((fd, offset)), real(fd, offset)))
+    monkeypatch.setattr(files, "_WRITEBACK", 2 << 20)
+    ranksafe.atomic_save(_state(), tmp_path / "m.pt")
+    assert len(calls) >= 2 and [o for _, o in calls] == sorted(o for _, o in calls)
+    assert files.verify_file(tmp_path / "m.pt")
+    sink = io.BytesIO()  # a stream without a file descriptor: checksummed, no writeback asked
+    before = len(calls)
+    w = files._ChecksummingWriter(sink)
+    torch.save(_state(), w)
+    assert len(calls) == before and w.crc == zlib.crc32(sink.getvalue()) and w.length == len(sink.getvalue())
