@@ -46,11 +46,11 @@ class Run:
         return json.loads((self.out / "fault.json").read_text())["t"]
 
 
-def start(out: Path, *flags: str) -> Run:
+def start(out: Path, *flags: str, script: Path = SCRIPT) -> Run:
     out.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}  # else Lightning would launch nothing
     env["RANKSAFE_TIMEOUT"] = "30"
-    cmd = [sys.executable, str(SCRIPT), "--out", str(out), *flags]
+    cmd = [sys.executable, str(script), "--out", str(out), *flags]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     return Run(out, proc)
 

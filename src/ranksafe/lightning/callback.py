@@ -15,6 +15,14 @@ exits, never learning why. From ``setup`` on, this callback guards the strategy 
   metric logged without ``sync_dist=True`` gives one decision and one file name on every rank.
 * An exception on one rank (``on_exception``) is posted with :func:`ranksafe.abort`: ranks waiting in a
   ranksafe collective raise at once instead of waiting for the timeout.
+* With ``RankSafeCheckpointIO(async_save=True)``: the optimizer step holds the write side of the plugin's
+  :class:`~ranksafe.StateDictLock`, every training step ends with the plugin's agreed
+  :meth:`~ranksafe.lightning.RankSafeCheckpointIO.check` (a background failure is raised on every rank
+  within one step), a load first waits for the write in flight, and ``on_fit_end`` (after the plugin's
+  teardown waited for the last write) checks once more.
+* With ``checkpoint_dir``: the Trainer's full checkpoint goes into a :class:`~ranksafe.CheckpointManager`
+  every ``every_n_epochs`` epochs (atomic step directories, retention, a copy on every node under
+  node-local storage), and ``resume=True`` starts ``fit`` from the latest step committed on every node.
 
 In a single process nothing is wrapped: behaviour and files are stock Lightning's.
 """
@@ -27,12 +35,18 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
 
 from .. import topology
+from ..checkpoint import STATE, CheckpointManager
 from ..collectives import abort, agree, broadcast, together
 from ..files import clean_orphans
 from ..saving import prepare_dir
+from ..snapshot import StateDictLock
+from ..storage import Storage
+from .io import RankSafeCheckpointIO
 from .monitor import MonitorAgreement, MonitorOp
 
 _GUARDED = "_ranksafe_guarded"
@@ -50,12 +64,28 @@ def _inside(path: Any, directory: str) -> bool:
     return os.path.commonpath([path, directory]) == directory
 
 
-def _guard_strategy(trainer: pl.Trainer, timeout: float | None) -> None:
+def _find_io(checkpoint_io: CheckpointIO | None) -> RankSafeCheckpointIO | None:
+    """The RankSafeCheckpointIO in the strategy's plugin, looking inside wrappers (``AsyncCheckpointIO``)."""
+    seen = 0
+    while checkpoint_io is not None and seen < 8:
+        if isinstance(checkpoint_io, RankSafeCheckpointIO):
+            return checkpoint_io
+        checkpoint_io, seen = getattr(checkpoint_io, "checkpoint_io", None), seen + 1
+    return None
+
+
+def _async_io(trainer: pl.Trainer) -> RankSafeCheckpointIO | None:
+    io = _find_io(trainer.strategy.checkpoint_io)
+    return io if io is not None and io.async_save else None
+
+
+def _guard_strategy(trainer: pl.Trainer, callback: RankSafe) -> None:
     """Wrap the strategy's save/remove/load so that their outcome is shared by every rank."""
     strategy = trainer.strategy
     if getattr(strategy, _GUARDED, False):
         return
     save, remove, load = strategy.save_checkpoint, strategy.remove_checkpoint, strategy.load_checkpoint
+    timeout = callback.timeout
 
     def save_checkpoint(checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if not _shared():
@@ -71,7 +101,14 @@ def _guard_strategy(trainer: pl.Trainer, timeout: float | None) -> None:
 
     def load_checkpoint(checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         if not _shared():
+            step = callback._managed_step(checkpoint_path)
+            if step is not None:
+                return callback.manager.load(step, weights_only=weights_only is not False)  # type: ignore[union-attr]
             return load(checkpoint_path, weights_only=weights_only)
+        io = _async_io(trainer)
+        if io is not None:  # the file may be the one rank 0 is still writing: every rank waits for it
+            io.wait()
+            io.check()
         chosen = broadcast(checkpoint_path, name="Trainer.load_checkpoint path", timeout=timeout)
         if os.fspath(chosen) != os.fspath(checkpoint_path):
             warnings.warn(
@@ -80,6 +117,9 @@ def _guard_strategy(trainer: pl.Trainer, timeout: float | None) -> None:
                 stacklevel=2,
             )
             trainer._checkpoint_connector._ckpt_path = chosen
+        step = callback._managed_step(chosen)
+        if step is not None:  # verified against its manifest on every node, the outcome agreed
+            return callback.manager.load(step, weights_only=weights_only is not False)  # type: ignore[union-attr]
         result: dict[str, Any] = {}
         with together("Trainer.load_checkpoint", timeout):
             result = load(chosen, weights_only=weights_only)
@@ -96,10 +136,24 @@ def _wrap_once(obj: Any, method: str, wrap: Callable[[Callable], Callable]) -> N
         setattr(obj, method, wrap(getattr(obj, method)))
 
 
+def _holding(lock: StateDictLock) -> Callable[[Callable], Callable]:
+    """``optimizer_step`` wrapped in the write side of ``lock``: no snapshot sees weights mid-update."""
+
+    def wrap(step: Callable) -> Callable:
+        def optimizer_step(*args: Any, **kwargs: Any) -> Any:
+            with lock.write():
+                return step(*args, **kwargs)
+
+        return optimizer_step
+
+    return wrap
+
+
 class RankSafe(Callback):
     """Make Lightning checkpointing safe under DDP: ``Trainer(callbacks=[RankSafe(), ModelCheckpoint(...)])``.
 
-    Pair it with ``plugins=[RankSafeCheckpointIO()]`` for atomic, fsynced, checksummed files.
+    Pair it with ``plugins=[RankSafeCheckpointIO()]`` for atomic, fsynced, checksummed files, or
+    ``RankSafeCheckpointIO(async_save=True)`` to write them in the background.
 
     Args:
         overwrite: empty every ModelCheckpoint directory before training (collectively, by rank 0 only,
@@ -109,16 +163,78 @@ class RankSafe(Callback):
             ``sync_dist=True`` would log), ``"main"`` (rank 0's), ``"max"`` or ``"min"``.
         timeout: seconds a rank waits for the others in a shared save/load (default: ranksafe's,
             ``RANKSAFE_TIMEOUT`` or 30 minutes); past it every rank raises :class:`~ranksafe.BarrierTimeout`.
+        checkpoint_dir: save the Trainer's full checkpoint (what ``trainer.save_checkpoint`` writes: weights,
+            optimizers, loops, callbacks) at the end of every ``every_n_epochs``-th training epoch into a
+            :class:`~ranksafe.CheckpointManager` under this directory. The step number is
+            ``trainer.global_step`` (optimizer steps so far), so it grows across epochs and resumed runs. The
+            save happens in this callback's ``on_train_epoch_end``, which Lightning runs before
+            ModelCheckpoint's and EarlyStopping's: their state in the step is that of the previous epoch.
+        keep: committed steps to keep under ``checkpoint_dir`` (``None``: all).
+        every_n_epochs: save every this many epochs.
+        storage: ``"auto"`` probes whether ``checkpoint_dir`` is shared by every rank or local to each node
+            (then every node keeps its own copy); ``"shared"`` / ``"local"`` say so.
+        resume: ``trainer.fit(model)`` without ``ckpt_path`` starts from the latest step committed on every
+            node (:meth:`latest_checkpoint`), or from scratch when there is none. An explicit ``ckpt_path``
+            wins.
     """
 
-    def __init__(self, overwrite: bool = False, monitor_op: MonitorOp = "mean", timeout: float | None = None):
+    def __init__(
+        self,
+        overwrite: bool = False,
+        monitor_op: MonitorOp = "mean",
+        timeout: float | None = None,
+        checkpoint_dir: str | os.PathLike | None = None,
+        keep: int | None = 3,
+        every_n_epochs: int = 1,
+        storage: Storage = "auto",
+        resume: bool = False,
+    ):
+        if isinstance(every_n_epochs, bool) or not isinstance(every_n_epochs, int) or every_n_epochs < 1:
+            raise ValueError(f"every_n_epochs must be a positive int, not {every_n_epochs!r}")
+        if resume and checkpoint_dir is None:
+            raise ValueError("resume=True needs a checkpoint_dir to resume from")
         self.overwrite = overwrite
         self.monitors = MonitorAgreement(monitor_op)
         self.timeout = timeout
+        self.every_n_epochs = every_n_epochs
+        self.resume = resume
+        self.manager = (
+            None if checkpoint_dir is None else CheckpointManager(checkpoint_dir, keep, storage, timeout=timeout)
+        )
+        self._io: RankSafeCheckpointIO | None = None  # the async plugin of the current run, if any
+
+    def latest_checkpoint(self) -> str | None:
+        """The file of the newest step committed on every node, the same on every rank, or None; collective.
+
+        Under Lightning's own ``ddp`` launcher the process group exists only inside ``fit``: use
+        ``resume=True`` there. With ``torchrun`` (the group initialised before the Trainer) you may pass
+        ``ckpt_path=rank_safe.latest_checkpoint()`` yourself.
+        """
+        if self.manager is None:
+            raise ValueError("latest_checkpoint() needs RankSafe(checkpoint_dir=...)")
+        step = self.manager.latest()
+        return None if step is None else os.path.join(self.manager.step_dir(step), STATE)
+
+    def _managed_step(self, path: Any) -> int | None:
+        """The step whose state file ``path`` is, when it lies in this callback's checkpoint_dir."""
+        if self.manager is None or path is None or "://" in str(path):
+            return None
+        step_dir, name = os.path.split(os.path.abspath(os.fspath(path)))
+        root, step_name = os.path.split(step_dir)
+        digits = step_name[len(self.manager.prefix) :]
+        if name != STATE or root != self.manager.root or not digits.isdigit():
+            return None
+        return int(digits) if self.manager.step_dir(int(digits)) == step_dir else None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Runs on every rank once the process group exists, before any checkpoint is loaded or saved."""
-        _guard_strategy(trainer, self.timeout)
+        _guard_strategy(trainer, self)
+        self._io = _async_io(trainer)
+        if self._io is not None:
+            self._io._attach()
+            _wrap_once(trainer.strategy, "optimizer_step", _holding(self._io.lock))
+        if self.resume:
+            _wrap_once(trainer._checkpoint_connector, "_restore_modules_and_callbacks", self._resuming(trainer))
         if not _shared():
             return
         for cb in trainer.callbacks:
@@ -126,6 +242,37 @@ class RankSafe(Callback):
                 _wrap_once(cb, "_monitor_candidates", lambda f, m=cb.monitor: self.monitors.wrap_candidates(f, m))
             elif isinstance(cb, EarlyStopping):
                 _wrap_once(cb, "_evaluate_stopping_criteria", lambda f, m=cb.monitor: self.monitors.wrap_criteria(f, m))
+
+    def _resuming(self, trainer: pl.Trainer) -> Callable[[Callable], Callable]:
+        """The connector's restore, with ``ckpt_path=None`` replaced by the agreed latest step (fit only)."""
+
+        def wrap(restore: Callable) -> Callable:
+            def restore_latest(checkpoint_path: Any = None, weights_only: bool | None = None) -> None:
+                fitting = trainer.state.fn == TrainerFn.FITTING  # the same on every rank
+                if checkpoint_path is None and fitting:  # every rank is here, inside the process group
+                    checkpoint_path = self.latest_checkpoint()
+                return restore(checkpoint_path, weights_only)
+
+            return restore_latest
+
+        return wrap
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        """A background write that failed is raised on every rank now, not at the next save."""
+        if self._io is not None:
+            self._io.check()
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Every ``every_n_epochs`` epochs, the Trainer's full checkpoint becomes a committed manager step."""
+        if self.manager is None or (trainer.current_epoch + 1) % self.every_n_epochs:
+            return
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)  # what save_checkpoint writes
+        self.manager.save(trainer.global_step, checkpoint)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The plugin's teardown (before this hook) waited for the last write: report its outcome everywhere."""
+        if self._io is not None:
+            self._io.check()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """A rank failing alone stops the others at their current or next ranksafe collective, at once."""

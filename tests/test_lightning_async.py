@@ -1,0 +1,332 @@
+"""Background saves in Lightning (``RankSafeCheckpointIO(async_save=True)``) and RankSafe's CheckpointManager.
+
+One process: the snapshot holds the values of save time, removals wait for the commit (and are dropped when
+it fails), loads wait for the write, against stock ``AsyncCheckpointIO`` on the same Trainer scenario.
+Real ``Trainer(strategy="ddp", devices=2)`` runs (tests/lightning_scripts/ddp_async.py, three in all): a
+background failure raised on both ranks within one step with the previous checkpoint kept, and
+``RankSafe(checkpoint_dir=..., keep=2)`` retention and resume from the agreed latest step.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import pickle
+import threading
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins import AsyncCheckpointIO, TorchCheckpointIO
+
+import ranksafe
+from ranksafe.lightning import RankSafe, RankSafeCheckpointIO
+from tests.test_lightning_ddp import finish, start
+
+SCRIPT = Path(__file__).parent / "lightning_scripts" / "ddp_async.py"
+
+
+class GatedIO(RankSafeCheckpointIO):
+    """Background writes wait for ``gate``; ``fail`` makes them raise; commits and deletions are logged."""
+
+    def __init__(self) -> None:
+        super().__init__(async_save=True)
+        self.gate = threading.Event()
+        self.fail = False
+        self.log: list[tuple[str, str]] = []
+
+    def _write(self, checkpoint, path):
+        assert self.gate.wait(30)
+        if self.fail:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        super()._write(checkpoint, path)
+        self.log.append(("commit", Path(path).name))
+
+    def _remove(self, path):
+        self.log.append(("delete", Path(path).name))
+        super()._remove(path)
+
+
+class GatedTorchIO(TorchCheckpointIO):
+    """Stock TorchCheckpointIO with the same gate and fault, to run under stock ``AsyncCheckpointIO``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.fail = False
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        assert self.gate.wait(30)
+        if self.fail:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
+def _state(w: torch.Tensor) -> dict:
+    return {"state_dict": {"w": w}, "optimizer_states": [{"state": {0: {"momentum": w * 2}}}], "epoch": 0}
+
+
+def test_file_holds_the_values_at_save_time_while_training_mutates_them(tmp_path):
+    io, w = GatedIO(), torch.arange(4.0)
+    state = _state(w)
+    io.save_checkpoint(state, tmp_path / "a.ckpt")
+    assert not (tmp_path / "a.ckpt").exists()  # save_checkpoint returned before the write
+    w.add_(100)  # the optimizer step that follows the save
+    state["epoch"] = 5
+    io.gate.set()
+    io.wait()
+    loaded = io.load_checkpoint(tmp_path / "a.ckpt")
+    assert torch.equal(loaded["state_dict"]["w"], torch.arange(4.0)) and loaded["epoch"] == 0
+    assert torch.equal(loaded["optimizer_states"][0]["state"][0]["momentum"], torch.arange(4.0) * 2)
+    assert ranksafe.verify_file(tmp_path / "a.ckpt") is True
+    allocations = io.saver.staging.allocations
+    io.save_checkpoint(_state(w), tmp_path / "b.ckpt")  # same structure: the staging buffers are reused
+    io.teardown()
+    assert io.saver.staging.allocations == allocations == 1
+    assert torch.equal(io.load_checkpoint(tmp_path / "b.ckpt")["state_dict"]["w"], torch.arange(4.0) + 100)
+
+    # control: writing the live dict in the background (no snapshot) stores the mutated values
+    live, gate = _state(torch.arange(4.0)), threading.Event()
+    naive = threading.Thread(target=lambda: gate.wait(30) and torch.save(live, tmp_path / "naive.ckpt"))
+    naive.start()
+    live["state_dict"]["w"].add_(100)
+    gate.set()
+    naive.join()
+    assert torch.equal(torch.load(tmp_path / "naive.ckpt")["state_dict"]["w"], torch.arange(4.0) + 100)
+
+
+def test_removal_waits_for_the_commit_and_is_dropped_when_the_save_fails(tmp_path):
+    a, b, c, d = (tmp_path / f"{n}.ckpt" for n in "abcd")
+    io = GatedIO()
+    io.gate.set()
+    io.save_checkpoint(_state(torch.zeros(2)), a)
+    io.wait()
+    io.gate.clear()
+    io.save_checkpoint(_state(torch.ones(2)), b)
+    io.remove_checkpoint(a)  # what ModelCheckpoint(save_top_k=1) does right after submitting b
+    assert a.exists() and not b.exists()
+    io.gate.set()
+    io.wait()
+    assert io.log == [("commit", "a.ckpt"), ("commit", "b.ckpt"), ("delete", "a.ckpt")]
+    assert not a.exists() and b.exists()
+
+    io.gate.clear()
+    io.fail = True
+    io.save_checkpoint(_state(torch.ones(2)), c)
+    io.remove_checkpoint(b)
+    io.gate.set()
+    io.wait()
+    assert b.exists() and not c.exists() and len(io.log) == 3  # the failed save's removal was dropped
+    with pytest.raises(OSError, match="No space left"):
+        io.check()  # one process: the original error, unchanged
+    io.check()  # reported once
+    io.fail = False
+    io.save_checkpoint(_state(torch.ones(2)), d)
+    io.wait()
+    io.remove_checkpoint(b)  # nothing in flight: removed at once
+    assert not b.exists() and d.exists()
+    io.teardown()
+
+    # control: stock AsyncCheckpointIO deletes the old file when the new save is submitted; the save fails
+    # and no checkpoint is left
+    stock_dir = tmp_path / "stock"
+    base = GatedTorchIO()
+    stock = AsyncCheckpointIO(base)
+    base.gate.set()
+    stock.save_checkpoint(_state(torch.zeros(2)), stock_dir / "a.ckpt")
+    stock.teardown()  # its only way to wait
+    base.gate.clear()
+    base.fail = True
+    stock.save_checkpoint(_state(torch.ones(2)), stock_dir / "b.ckpt")
+    stock.remove_checkpoint(stock_dir / "a.ckpt")
+    assert not (stock_dir / "a.ckpt").exists()  # gone while b is still in flight
+    base.gate.set()
+    with pytest.raises(OSError, match="No space left"):
+        stock.teardown()
+    assert os.listdir(stock_dir) == []
+
+
+def test_load_and_teardown_wait_for_the_write_in_flight(tmp_path):
+    path = tmp_path / "p.ckpt"
+    io = GatedIO()
+    io.save_checkpoint(_state(torch.full((3,), 7.0)), path)
+    threading.Timer(0.3, io.gate.set).start()
+    assert torch.equal(io.load_checkpoint(path)["state_dict"]["w"], torch.full((3,), 7.0))  # not FileNotFoundError
+
+    io.gate.clear()
+    io.save_checkpoint(_state(torch.full((3,), 8.0)), path)
+    threading.Timer(0.3, io.gate.set).start()
+    io.teardown()
+    assert not [t for t in threading.enumerate() if t.name == "ranksafe-async-save"]
+    assert torch.load(path, weights_only=True)["state_dict"]["w"][0] == 8.0
+
+    # after teardown (ddp_spawn's final hand-over, a save after fit) saves are synchronous
+    io.gate.clear()
+    threading.Timer(0.3, io.gate.set).start()
+    io.save_checkpoint(_state(torch.full((3,), 9.0)), tmp_path / "after.ckpt")
+    assert (tmp_path / "after.ckpt").exists()
+
+    # without RankSafe to report it, a background failure is raised at teardown, as stock does
+    orphan = GatedIO()
+    orphan.gate.set()
+    orphan.fail = True
+    orphan.save_checkpoint(_state(torch.ones(1)), tmp_path / "x.ckpt")
+    with pytest.raises(OSError, match="No space left"):
+        orphan.teardown()
+    orphan.check()  # reported once
+
+    # ddp_spawn pickles the plugin with the Trainer: no thread or lock travels
+    plain = RankSafeCheckpointIO(async_save=True)
+    plain.save_checkpoint(_state(torch.ones(1)), tmp_path / "y.ckpt")
+    clone = pickle.loads(pickle.dumps(plain))
+    plain.teardown()
+    assert clone.async_save and clone._saver is None and clone._lock is None
+
+
+class Model(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        time.sleep(0.15)  # a step takes longer than a write: the stock control's timeline is deterministic
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.layer(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class StepProbe(pl.Callback):
+    raised_at = None
+
+    def on_exception(self, trainer, pl_module, exception):
+        self.raised_at = trainer.global_step
+
+
+class SlowFull:
+    """The 2nd write takes 0.1 s; from the 3rd one on the disk is full. ``on_disk``: the files at each deletion."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory, self.writes, self.on_disk = directory, 0, []
+        self.fault_step: int | None = None
+        self.trainer: pl.Trainer | None = None
+
+    def write(self) -> None:
+        self.writes += 1
+        if self.writes >= 3:
+            self.fault_step = self.fault_step or self.trainer.global_step  # where training is when it fails
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        time.sleep(0.1 if self.writes == 2 else 0)
+
+    def deleting(self) -> None:
+        self.on_disk.append(sorted(os.listdir(self.directory)))
+
+
+def _fit_failing(tmp_path: Path, stock: bool) -> tuple[StepProbe, SlowFull, BaseException]:
+    """12 steps, ModelCheckpoint(save_top_k=1) every 3; the write of step 9 and all later ones fail."""
+    disk = SlowFull(tmp_path)
+
+    class Ours(RankSafeCheckpointIO):
+        def _write(self, checkpoint, path):
+            disk.write()
+            super()._write(checkpoint, path)
+
+        def _remove(self, path):
+            disk.deleting()
+            super()._remove(path)
+
+    class Stock(TorchCheckpointIO):
+        def save_checkpoint(self, checkpoint, path, storage_options=None):
+            disk.write()
+            super().save_checkpoint(checkpoint, path, storage_options)
+
+        def remove_checkpoint(self, path):
+            disk.deleting()
+            super().remove_checkpoint(path)
+
+    probe = StepProbe()
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, filename="{step}", save_top_k=1, every_n_train_steps=3)
+    disk.trainer = trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, callbacks=[checkpoint, probe, RankSafe()],
+        plugins=[AsyncCheckpointIO(Stock()) if stock else Ours(async_save=True)],
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(48, 4, generator=g), torch.randn(48, 1, generator=g))
+    with pytest.raises(OSError, match="No space left") as caught:
+        trainer.fit(Model(), torch.utils.data.DataLoader(data, batch_size=4))
+    return probe, disk, caught.value
+
+
+def test_one_process_trainer_against_stock_async_checkpoint_io(tmp_path):
+    probe, disk, _ = _fit_failing(tmp_path / "ours", stock=False)
+    assert disk.fault_step >= 9 and probe.raised_at - disk.fault_step <= 1  # within one step
+    assert disk.on_disk == [["step=3.ckpt", "step=6.ckpt"]]  # step 3 deleted once step 6 was on disk
+    assert os.listdir(tmp_path / "ours") == ["step=6.ckpt"]  # the failed save did not cost the previous one
+    assert torch.load(tmp_path / "ours" / "step=6.ckpt", weights_only=True)["global_step"] == 6
+
+    probe, disk, _ = _fit_failing(tmp_path / "stock", stock=True)
+    assert disk.fault_step >= 9 and probe.raised_at == 12  # learnt at the next save
+    assert disk.on_disk[0] == ["step=3.ckpt"]  # step 3 deleted while step 6 was still being written
+    assert os.listdir(tmp_path / "stock") == []  # ... and after the failure nothing is left
+
+
+def test_ddp_background_failure_raised_on_both_ranks_within_one_step(tmp_path):
+    # 12 steps; ModelCheckpoint(save_top_k=1) every 3 steps; writes take 0.5 s; from the 3rd (step 9) on they fail
+    run = finish(start(tmp_path, "--async-save", "--slow-write", "0.5", "--fail-write", "3", "--every-n-steps", "3",
+                       script=SCRIPT))  # fmt: skip
+    assert not run.hung
+    fault = run.fault_time()
+    fault_step = json.loads((tmp_path / "fault.json").read_text())["step"]
+    r0, r1 = run.rank(0), run.rank(1)
+    for r, result in enumerate((r0, r1)):
+        assert "RankFailure" in result["error_type"] and "OSError" in result["error_type"], (r, result["error"])
+        assert "step=9.ckpt" in result["error"] and "No space left on device (injected)" in result["error"]
+        assert result["raised_step"] - fault_step <= 1, (r, result["raised_step"], fault_step)
+        assert result["t_raised"] - fault < 5
+        # the optimizer step holds the write side of the plugin's lock: a snapshot thread waits for it
+        assert result["reader_blocked"] == [True, True] and result["reader_free"] == [True, True]
+    events = [e for e in r0["events"] if e["kind"] != "fault"]  # the fault races the removal request
+    kinds = [(e["kind"], Path(e["path"]).name) for e in events]
+    assert kinds == [
+        ("commit", "step=3.ckpt"),
+        ("remove requested", "step=3.ckpt"),
+        ("commit", "step=6.ckpt"),
+        ("delete", "step=3.ckpt"),
+        ("remove requested", "step=6.ckpt"),
+    ], kinds  # no delete of step 6: its successor failed
+    assert events[1]["on_disk"] == ["step=3.ckpt"] and events[3]["on_disk"] == ["step=3.ckpt", "step=6.ckpt"]
+    assert events[2]["live"] > 6 and events[2]["thread"] == "ranksafe-async-save"  # training ran ahead
+    assert r0["names"] == ["step=6.ckpt"]  # the previous checkpoint survives, no temporaries
+    saved = r0["files"]["step=6.ckpt"]
+    assert saved["verified"] and saved["global_step"] == 6
+    assert saved["weights"] == saved["weights_at_step"] != saved["weights_next_step"]  # step 6's, not later
+
+
+def test_ddp_checkpoint_manager_keeps_two_steps_and_resumes_from_the_latest(tmp_path):
+    # 3 epochs of 12 steps, RankSafe(checkpoint_dir, keep=2), and background ModelCheckpoint saves at the same time
+    common = ("--async-save", "--slow-write", "0.3", "--every-n-steps", "12", "--manager-keep", "2")
+    first = finish(start(tmp_path, *common, "--epochs", "3", script=SCRIPT))
+    assert not first.hung and first.proc.returncode == 0, first.output[-4000:]
+    for result in (first.rank(0), first.rank(1)):
+        assert result["error"] is None and result["global_step"] == 36
+        assert result["managed"] == [[24, "committed"], [36, "committed"]]  # exactly keep=2 committed steps
+        assert result["writer_threads"] == []  # teardown waited for the last background write
+    last = first.rank(0)["files"]["step=36.ckpt"]  # in flight when training ended, committed by teardown
+    assert last["verified"] and last["weights"] == last["weights_at_step"]
+    state = torch.load(tmp_path / "managed" / "step_00000036" / "state.pt", weights_only=True)
+    assert state["global_step"] == 36 and state["optimizer_states"] and state["loops"]
+    ranksafe.verify_step(tmp_path / "managed" / "step_00000036")
+
+    resumed = finish(start(tmp_path, *common, "--epochs", "4", "--resume", script=SCRIPT))
+    assert not resumed.hung and resumed.proc.returncode == 0, resumed.output[-4000:]
+    for result in (resumed.rank(0), resumed.rank(1)):
+        assert result["error"] is None
+        assert result["ckpt_path"] == str(tmp_path / "managed" / "step_00000036" / "state.pt")
+        assert result["start_step"] == 36 and result["global_step"] == 48
+        assert result["managed"] == [[36, "committed"], [48, "committed"]]
