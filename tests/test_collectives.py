@@ -95,6 +95,7 @@ def test_barrier_timeout_names_the_missing_rank():
             assert v["missing"] == [missing]
             assert v["seconds"] < 2 + 2
             assert f"rank(s) {missing}" in v["msg"]
+            assert v["msg"].startswith("barrier:sync")  # named after the caller's barrier, even as the first one
 
 
 def _dies(rank):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import time
@@ -149,7 +150,10 @@ def _failing_save(rank, path, blocker):
     try:
         ranksafe.save({"v": torch.tensor(2.0)}, blocker)  # parent is a file: fails on the writer only
     except ranksafe.RankFailure as e:
-        outcome = {"types": [t.__name__ for t in type(e).__mro__], "msg": str(e), "seconds": time.monotonic() - start}
+        outcome = {
+            "types": [t.__name__ for t in type(e).__mro__], "msg": str(e), "seconds": time.monotonic() - start,
+            "errno": e.errno,
+        }  # fmt: skip
     else:
         outcome = "saved"
     return outcome, float(ranksafe.load(path)["v"])
@@ -161,6 +165,7 @@ def test_failed_write_raises_on_every_rank_and_keeps_the_committed_file(tmp_path
     for outcome, committed in res:
         assert outcome != "saved"
         assert "rank 0" in outcome["msg"] and "file/m.pth" in outcome["msg"]
+        assert outcome["errno"] == errno.EEXIST  # the code travels too: `e.errno == ...` works on every rank
         assert outcome["seconds"] < 5
         assert committed == 1.0
 

@@ -94,7 +94,7 @@ def _drain_at_exit() -> None:
         _session.drain()
 
 
-def _get_session(timeout: float | None) -> _Session | None:
+def _get_session(timeout: float | None, what: str | None = None) -> _Session | None:
     """The current group's session, or None in a single process.
 
     A new session starts with an exchange of host names (local ranks, nodes), under the caller's timeout.
@@ -114,7 +114,8 @@ def _get_session(timeout: float | None) -> _Session | None:
         if _session is None or _session.group_id != id(dist.group.WORLD):
             _session = _Session()
         if not _session.hosts:
-            _session.hosts = _exchange_in(_session, "ranksafe:hosts", topology.hostname(), list, timeout)
+            # named after the caller's collective: a rank missing here is missing there
+            _session.hosts = _exchange_in(_session, "ranksafe:hosts", topology.hostname(), list, timeout, what)
             topology.record_host_exchange(_session.hosts)
         return _session
 
@@ -214,7 +215,7 @@ def exchange(
     same on all ranks at this call (else :class:`CollectiveMismatch`); ``what`` (default: ``name``) is
     the rank's own description for error messages, and may differ per rank (a per-rank path, say).
     """
-    s = _get_session(timeout)
+    s = _get_session(timeout, what or name)
     if s is None:
         return reduce([value])
     return _exchange_in(s, name, value, reduce, timeout, what)

@@ -48,12 +48,17 @@ class Failure:
     type_name: str  # "module.QualName"
     message: str
     path: str | None = None  # the file the error is about, when it says (CorruptCheckpoint.path, OSError.filename)
+    errno: int | None = None  # OSError's code, so that `e.errno == errno.ENOSPC` works on every rank
 
     @classmethod
     def from_exception(cls, rank: int, exc: BaseException) -> Failure:
         t = type(exc)
         path = getattr(exc, "path", None) or getattr(exc, "filename", None)
-        return cls(rank, f"{t.__module__}.{t.__qualname__}", str(exc), None if path is None else str(path))
+        code = getattr(exc, "errno", None)
+        return cls(
+            rank, f"{t.__module__}.{t.__qualname__}", str(exc), None if path is None else str(path),
+            code if isinstance(code, int) else None,
+        )  # fmt: skip
 
     @property
     def short_type(self) -> str:
@@ -85,6 +90,7 @@ class RankFailure(RankSafeError):
         return [f.rank for f in self.failures]
 
     def ranks_text(self) -> str:
+        """``rank 3`` or ``ranks 1, 2``: the failed ranks, for messages."""
         r = self.ranks
         return f"rank {r[0]}" if len(r) == 1 else f"ranks {', '.join(map(str, r))}"
 
@@ -140,6 +146,8 @@ def _shared_type(t: type[BaseException]) -> type[RankFailure]:
     def __init__(self, what: str, failures: list[Failure]):
         RankFailure.__init__(self, what, failures)
         self.path = next((f.path for f in failures if f.path), None)  # as CorruptCheckpoint.path would be
+        if isinstance(self, OSError):
+            self.errno = next((f.errno for f in failures if f.errno is not None), None)
 
     ns = {"__init__": __init__, "__module__": __name__, "__qualname__": f"RankFailure[{t.__name__}]"}
     return type(f"RankFailure[{t.__name__}]", (RankFailure, t), ns)

@@ -75,6 +75,7 @@ class StateDictLock:
             return True
 
     def release_write(self) -> None:
+        """Give back the write side (once per acquire); wakes waiting snapshots when the last one is released."""
         with self._cond:
             if self._writer != threading.get_ident():
                 raise RuntimeError("StateDictLock: release_write() by a thread that does not hold the write side")
@@ -96,6 +97,7 @@ class StateDictLock:
             return True
 
     def release_read(self) -> None:
+        """Give back the read side (once per acquire); wakes a waiting step when the last reader leaves."""
         with self._cond:
             if not self._reads():
                 raise RuntimeError("StateDictLock: release_read() by a thread that does not hold the read side")
