@@ -16,6 +16,15 @@ While attached to a Learner it gives that Learner (that instance only, never the
 * **CSVLogger**: only rank 0 opens and writes the log; a failure to open it is raised on every rank.
 * **lr_find**: one temporary model, named by rank 0, written once, loaded by every rank, and removed once
   after every rank has loaded it.
+* **checkpoints** (``RankSafe(checkpoint_dir="ckpt")``, relative to ``learn.path``): every ``every`` epochs
+  the resumable training state (:mod:`ranksafe.fastai.training_state`) goes into a step directory of a
+  :class:`~ranksafe.CheckpointManager`, numbered by epoch, ``keep`` of them kept. ``learn.resume()`` (or
+  ``RankSafe(resume=True)``) makes the next ``fit`` start from the newest step every rank has: weights,
+  optimizer, random generators and recorded values are restored, and fastai's ``SkipToEpoch`` skips the
+  epochs already done (the learning-rate schedule of ``fit_one_cycle`` continues where it was). With
+  ``async_save=True`` the state is snapshotted at the end of the epoch and written while the next one
+  trains; the optimizer step holds the write side of :attr:`RankSafe.state_lock`, and a failed background
+  write is raised on every rank at the next epoch start, through the barrier that is there anyway.
 
 Attaching it also points fastai at the process group's ranks and makes ``distrib_ctx()`` work with gloo on
 CPU (:mod:`ranksafe.fastai.cpu`). In a single process it changes nothing fastai writes or decides.
@@ -23,22 +32,29 @@ CPU (:mod:`ranksafe.fastai.cpu`). In a single process it changes nothing fastai 
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import types
+import warnings
 from pathlib import Path
 from typing import Any
 
 from fastai.callback.core import Callback
 from fastai.callback.progress import CSVLogger
 from fastai.callback.schedule import LRFinder, ParamScheduler
-from fastai.learner import Learner
+from fastai.learner import Learner, SkipToEpoch
 from fastcore.foundation import L
 
 from .. import topology
+from ..checkpoint import CheckpointManager
 from ..collectives import barrier, broadcast, together
+from ..files import load_file
+from ..snapshot import StateDictLock
+from ..storage import Storage
 from .cpu import prepare_distributed
-from .learner import LEARNER_METHODS, RankSafeLearner
+from .learner import LEARNER_METHODS, NEW_METHODS, RankSafeLearner, opens_fit
+from .training_state import STATE, restore, rng_file, rng_state, set_rng_state, training_state
 
 _WRAPPED = "_ranksafe_wrapped"
 
@@ -96,20 +112,73 @@ def _lr_finder_after_fit(self: LRFinder) -> None:
         _unwrap_events(self)
 
 
+_TRANSIENT = ("_installed", "_manager", "_lock", "_skip", "_active", "_trained", "_holding", "_depth", "_history")
+"""RankSafe's attributes that belong to one attachment or one fit: never pickled with an exported Learner."""
+
+
 class RankSafe(Callback):
     """Make everything fastai writes or decides correct under distributed training.
 
     Add it to any Learner: ``Learner(dls, model, cbs=RankSafe())``, then train as usual, inside
     ``learn.distrib_ctx()`` or not, under ``torchrun`` or ``mp.spawn``. Initialise the process group before
     creating the Learner, so that ``distrib_ctx`` sees the right ranks. See the module docstring.
+
+    Args:
+        checkpoint_dir: where to keep resumable checkpoints (relative to ``learn.path``); ``None``: none.
+        keep: how many checkpoints to keep (``None``: all).
+        every: save at the end of every ``every``-th epoch.
+        async_save: write each checkpoint in the background while the next epoch trains.
+        storage: ``"auto"``, ``"shared"`` or ``"local"``: see :class:`~ranksafe.CheckpointManager`.
+        resume: the first ``fit`` continues from the newest checkpoint, if there is one (as
+            ``learn.resume()`` does for the next ``fit``).
     """
 
     order = 55  # after Recorder (50) has recorded the epoch; before CSVLogger, LRFinder, trackers (60+)
     _learn: Learner | None = None
     _installed: tuple[str, ...] = ()
+    # per fit, never pickled (export): the manager and its background writer, the lock, the epoch skipper
+    _manager: CheckpointManager | None = None
+    _lock: StateDictLock | None = None
+    _skip: SkipToEpoch | None = None
+    _active = False  # checkpointing in this fit (a training fit, not validate/get_preds/lr_find)
+    _trained = False  # this epoch trained (SkipToEpoch did not skip it)
+    _holding = False  # the optimizer step holds the write side of the lock
+    _depth = 0  # before_fit events seen in this fit minus after_fit events (validate inside fit nests)
+    _history: tuple | list = ()  # recorded values of the epochs a resumed fit skips
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        checkpoint_dir: str | os.PathLike | None = None,
+        keep: int | None = 3,
+        every: int = 1,
+        async_save: bool = False,
+        storage: Storage = "auto",
+        resume: bool = False,
+    ) -> None:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"every must be a positive int, not {every!r}")
+        if resume and checkpoint_dir is None:
+            raise ValueError("resume=True needs a checkpoint_dir")
+        self.checkpoint_dir, self.keep, self.every, self.storage = checkpoint_dir, keep, every, storage
+        self.async_save, self.resume_pending = async_save, resume
         prepare_distributed()
+
+    @property
+    def state_lock(self) -> StateDictLock | None:
+        """The lock the optimizer step holds (write side) while snapshots take its read side (``async_save``)."""
+        if self.async_save and self._lock is None:
+            object.__setattr__(self, "_lock", StateDictLock())
+        return self._lock
+
+    @property
+    def _checkpointing(self) -> bool:
+        """Checkpointing in this fit, and not inside a validate/get_preds pass that a callback started in it."""
+        return self._active and self._depth == 1
+
+    @property
+    def manager(self) -> CheckpointManager | None:
+        """The :class:`~ranksafe.CheckpointManager` of ``checkpoint_dir`` (made at the first fit)."""
+        return self._manager
 
     # Attaching: Learner.add_cb sets `cb.learn`, remove_cb sets it to None.
     @property
@@ -135,7 +204,9 @@ class RankSafe(Callback):
         learn = self._learn
         if learn is None or isinstance(learn, RankSafeLearner):
             return
-        names = [n for n in LEARNER_METHODS if hasattr(type(learn), n) and n not in learn.__dict__]
+        names = [
+            n for n in LEARNER_METHODS if (hasattr(type(learn), n) or n in NEW_METHODS) and n not in learn.__dict__
+        ]
         for name in names:
             learn.__dict__[name] = types.MethodType(LEARNER_METHODS[name], learn)
         object.__setattr__(self, "_installed", tuple(names))
@@ -149,30 +220,114 @@ class RankSafe(Callback):
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()
-        state.pop("_installed", None)
+        for name in _TRANSIENT:
+            state.pop(name, None)
         return state
 
     # Events
+    def before_fit(self) -> None:
+        if topology.world_size() >= 2:
+            for cb in self.learn.cbs:
+                if isinstance(cb, CSVLogger) and _WRAPPED not in cb.__dict__:
+                    _wrap_events(cb, before_fit=_csv_before_fit, after_fit=_csv_after_fit)
+                elif isinstance(cb, LRFinder) and _WRAPPED not in cb.__dict__:
+                    _wrap_events(cb, before_fit=_lr_finder_before_fit, after_fit=_lr_finder_after_fit)
+        if self._active:  # validate/get_preds called inside this fit: its after_fit must not end the fit
+            object.__setattr__(self, "_depth", self._depth + 1)
+            return
+        # the same answer on every rank: every rank runs the same fit with the same callbacks
+        opens = opens_fit(self.learn)
+        if not (opens and self.checkpoint_dir is not None):
+            return
+        if any(isinstance(cb, LRFinder) for cb in self.learn.cbs):
+            return
+        object.__setattr__(self, "_active", True)
+        object.__setattr__(self, "_depth", 1)
+        if self._manager is None:
+            root = Path(self.learn.path) / self.checkpoint_dir
+            manager = CheckpointManager(root, self.keep, self.storage, async_save=self.async_save, lock=self.state_lock)
+            object.__setattr__(self, "_manager", manager)
+        if self.resume_pending:
+            self.resume_pending = False
+            self._resume()
+
+    def _resume(self) -> None:
+        """Load the newest common step into the model, optimizer and generators; skip the epochs it holds."""
+        mgr = self._manager
+        if mgr.latest() is None:
+            return  # nothing saved yet: a fresh start
+        state = mgr.load()
+        rng = os.path.join(mgr.step_dir(mgr.loaded_step), rng_file(topology.rank()))
+        with together("fastai: resume", what=f"resume from {mgr.step_dir(mgr.loaded_step)}"):
+            restore(self.learn, state)
+            if os.path.exists(rng):  # absent when the world grew since: those ranks start new generators
+                set_rng_state(load_file(rng))
+            else:
+                warnings.warn(f"{rng} does not exist: random generators not restored", RuntimeWarning, stacklevel=2)
+        object.__setattr__(self, "_history", state["recorder"])
+        skip = SkipToEpoch(state["epoch"] + 1)
+        object.__setattr__(self, "_skip", skip)
+        self.learn.add_cb(skip)
+
     def before_epoch(self) -> None:
-        """Every rank arrives here, or every rank learns which one failed (instead of hanging in DDP)."""
-        if topology.world_size() >= 2 and not hasattr(self.learn, "gather_preds"):
+        """Every rank arrives here, or every rank learns which one failed (instead of hanging in DDP).
+
+        With checkpoints, the barrier is the manager's :meth:`~ranksafe.CheckpointManager.check`: the same
+        single exchange, which also raises a failed background write on every rank.
+        """
+        if self._checkpointing:
+            object.__setattr__(self, "_trained", False)
+            self._manager.check()
+        elif topology.world_size() >= 2 and not hasattr(self.learn, "gather_preds"):
             barrier("fastai: epoch start")
 
-    def before_fit(self) -> None:
-        if topology.world_size() < 2:
-            return
-        for cb in self.learn.cbs:
-            if isinstance(cb, CSVLogger) and _WRAPPED not in cb.__dict__:
-                _wrap_events(cb, before_fit=_csv_before_fit, after_fit=_csv_after_fit)
-            elif isinstance(cb, LRFinder) and _WRAPPED not in cb.__dict__:
-                _wrap_events(cb, before_fit=_lr_finder_before_fit, after_fit=_lr_finder_after_fit)
+    def before_train(self) -> None:
+        object.__setattr__(self, "_trained", True)
+
+    def before_step(self) -> None:
+        if self._checkpointing and self.async_save:
+            self.state_lock.acquire_write()
+            object.__setattr__(self, "_holding", True)
+
+    def after_step(self) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        if self._holding:
+            object.__setattr__(self, "_holding", False)
+            self.state_lock.release_write()
 
     def after_epoch(self) -> None:
-        """Every rank takes rank 0's record of this epoch, before any tracker reads it."""
+        """Every rank takes rank 0's record of this epoch, before any tracker reads it; then the checkpoint."""
         recorder = getattr(self.learn, "recorder", None)
-        if topology.world_size() < 2 or recorder is None or hasattr(self.learn, "gather_preds"):
+        checkpointing = self._checkpointing
+        if checkpointing and not self._trained and recorder is not None and self.epoch < len(self._history):
+            recorder.values[-1] = self.learn.final_record = L(self._history[self.epoch])  # skipped by a resume
+        shared = topology.world_size() >= 2 and not hasattr(self.learn, "gather_preds")
+        if shared and recorder is not None and recorder.values:
+            agreed = broadcast(list(recorder.values[-1]), name="fastai: epoch record")
+            recorder.values[-1] = self.learn.final_record = L(agreed)
+        if checkpointing and self._trained and (self.epoch + 1) % self.every == 0:
+            with self._manager.saving(self.epoch, {STATE: training_state(self.learn)}) as tx:
+                tx.save(rng_state(), rng_file(topology.rank()))
+
+    def after_fit(self) -> None:
+        if not self._active:
             return
-        if not recorder.values:
-            return
-        agreed = broadcast(list(recorder.values[-1]), name="fastai: epoch record")
-        recorder.values[-1] = self.learn.final_record = L(agreed)
+        object.__setattr__(self, "_depth", self._depth - 1)
+        if self._depth == 0:
+            self._end_fit()
+            self._manager.close()  # collective: waits for the write in flight, raises its failure everywhere
+
+    def _end_fit(self) -> None:
+        object.__setattr__(self, "_active", False)
+        self._release()
+        if self._skip is not None:
+            self.learn.remove_cb(self._skip)
+            object.__setattr__(self, "_skip", None)
+
+    def fit_failed(self) -> None:
+        """``fit`` raised: no lock stays held, no write stays in flight (local; the ranks are failing)."""
+        if self._active:
+            self._end_fit()
+            self._manager.wait()

@@ -343,14 +343,62 @@ for _f, _doc in (
     _f.__doc__ = _doc
 
 
+_FIT_START = "_ranksafe_fit_start"
+
+
+def opens_fit(learn: Learner) -> bool:
+    """Whether this ``before_fit`` opens a ``fit``; asking consumes the answer.
+
+    ``validate``, ``get_preds`` and ``tta`` fire ``before_fit`` too (also from inside a fit, when a
+    callback calls them); only ``fit`` marks the Learner first.
+    """
+    return bool(learn.__dict__.pop(_FIT_START, False))
+
+
+def _fit(learn: Learner, fit: Callable[[], None]) -> None:
+    """Run ``fit`` marked as one (:func:`opens_fit`) and under :func:`ranksafe.abort_on_error`.
+
+    If it raises, the :class:`RankSafe` callbacks release what they hold (``fit_failed``): fastai calls
+    no ``after_fit`` then.
+    """
+    from .callback import RankSafe
+
+    learn.__dict__[_FIT_START] = True
+    try:
+        with abort_on_error():
+            fit()
+    except BaseException:
+        for cb in learn.cbs:
+            if isinstance(cb, RankSafe):
+                cb.fit_failed()
+        raise
+    finally:
+        learn.__dict__.pop(_FIT_START, None)
+
+
 def learner_fit(self: Learner, *args: Any, **kwargs: Any) -> None:
     """``Learner.fit`` whose exception on one rank reaches every rank at once (:func:`ranksafe.abort_on_error`).
 
     Without it, a rank that raises in a callback leaves the others waiting at their next collective until
     the timeout.
     """
-    with abort_on_error():
-        type(self).fit(self, *args, **kwargs)
+    _fit(self, lambda: type(self).fit(self, *args, **kwargs))
+
+
+def learner_resume(self: Learner, resume: bool = True) -> Learner:
+    """Make the next ``fit`` continue from the newest checkpoint every rank has; returns the Learner.
+
+    Needs ``RankSafe(checkpoint_dir=...)``. Local (every rank calls it, as every rank calls ``fit``); the
+    checkpoint is read at the start of the ``fit``: ``learn.resume().fit_one_cycle(10)``. Without any
+    checkpoint yet the fit starts from scratch.
+    """
+    from .callback import RankSafe
+
+    cb = next((cb for cb in self.cbs if isinstance(cb, RankSafe)), None)
+    if cb is None or cb.checkpoint_dir is None:
+        raise ValueError("learn.resume() needs the RankSafe(checkpoint_dir=...) callback on the Learner")
+    cb.resume_pending = resume
+    return self
 
 
 LEARNER_METHODS: dict[str, Callable] = {
@@ -362,8 +410,12 @@ LEARNER_METHODS: dict[str, Callable] = {
     "save_encoder": learner_save_encoder,
     "load_encoder": learner_load_encoder,
     "load_pretrained": learner_load_pretrained,
+    "resume": learner_resume,
 }
-"""Methods the :class:`RankSafe` callback installs on its Learner (only those the Learner's class has)."""
+"""Methods the :class:`RankSafe` callback installs on its Learner (those the Learner's class has, and NEW_METHODS)."""
+
+NEW_METHODS = frozenset({"resume"})
+"""Methods fastai's Learner does not have, installed on every Learner."""
 
 
 class RankSafeLearner:
@@ -376,8 +428,7 @@ class RankSafeLearner:
 
     def fit(self, *args: Any, **kwargs: Any) -> None:
         """``fit`` whose exception on one rank reaches every rank at once (:func:`ranksafe.abort_on_error`)."""
-        with abort_on_error():
-            super().fit(*args, **kwargs)  # type: ignore[misc]
+        _fit(self, lambda: super(RankSafeLearner, self).fit(*args, **kwargs))  # type: ignore[misc]
 
     save = learner_save
     load = learner_load
@@ -386,6 +437,7 @@ class RankSafeLearner:
     save_encoder = learner_save_encoder
     load_encoder = learner_load_encoder
     load_pretrained = learner_load_pretrained
+    resume = learner_resume
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         from .callback import RankSafe

@@ -1,0 +1,74 @@
+"""What a fastai run needs to continue where it stopped, and how it goes back in.
+
+A checkpoint of :class:`~ranksafe.fastai.RankSafe` holds, in ``state.pt`` (written once): the model's
+``state_dict``, the optimizer's state, the epoch just completed and the Recorder's values; and one file per
+rank (``rng-00000.pt``, ...) with that rank's random generators (Python, NumPy, torch, CUDA), so that a
+resumed run draws the same augmentations and dropout masks as the uninterrupted one would. Everything is
+plain tensors and built-in types: it loads with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+from fastai.learner import Learner
+from fastai.torch_core import get_model
+from fastcore.foundation import L
+
+STATE = "state.pt"
+
+
+def rng_file(rank: int) -> str:
+    """The name of a rank's random-state file inside a step directory."""
+    return f"rng-{rank:05d}.pt"
+
+
+def _plain(x: Any) -> Any:
+    """A recorded value as a built-in type (NumPy scalars would need a full unpickler)."""
+    return x.item() if isinstance(x, (np.generic, torch.Tensor)) and x.ndim == 0 else x
+
+
+def training_state(learn: Learner) -> dict[str, Any]:
+    """The state written once per checkpoint: model, optimizer, completed epoch, recorded values."""
+    recorder = getattr(learn, "recorder", None)
+    values = [] if recorder is None else [[_plain(x) for x in v] for v in recorder.values]
+    opt = learn.opt.state_dict()
+    return {
+        "model": get_model(learn.model).state_dict(),
+        "opt": {**opt, "hypers": [dict(h) for h in opt["hypers"]]},  # fastcore's L would need a full unpickler
+        "epoch": learn.epoch,
+        "recorder": values,
+    }
+
+
+def restore(learn: Learner, state: dict[str, Any]) -> None:
+    """Put a :func:`training_state` back into ``learn`` (model and optimizer)."""
+    get_model(learn.model).load_state_dict(state["model"])
+    learn.opt.load_state_dict({**state["opt"], "hypers": L(state["opt"]["hypers"])})
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's random generators."""
+    _, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos, "gauss": (has_gauss, cached)},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` returned (the containers may come back as lists from a file)."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], *n["gauss"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

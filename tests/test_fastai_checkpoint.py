@@ -1,0 +1,166 @@
+"""fastai checkpoints on real ranks: RankSafe(checkpoint_dir=...) saves resumable state, resume continues it,
+async_save writes the same files in the background, and a failed background write stops every rank.
+
+One 2-rank run does it all (fastai's import costs seconds per process); the tiny tabular Learner of
+tests/test_fastai.py.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+pytest.importorskip("fastai")
+
+import torch
+from fastai.tabular.all import Callback, Learner, MSELossFlat
+from fastai.torch_core import set_seed
+
+import ranksafe
+from ranksafe import collectives
+from ranksafe.checkpoint import list_steps, read_manifest
+from ranksafe.fastai import RankSafe
+from tests.ranks import run_ranks
+from tests.test_fastai import Lin, params, tabular_dls
+
+
+class Watch(Callback):
+    """The epochs that trained, the weights and optimizer state they started from, the collectives per epoch."""
+
+    order = 56
+
+    def before_fit(self):
+        self.trained, self.start, self.opt_start, self.seqs = [], None, None, []
+
+    def before_train(self):
+        if self.start is None:
+            self.start = params(self.learn)
+            self.opt_start = _opt_sum(self.learn.opt.state_dict())
+        self.trained.append(self.epoch)
+
+    def after_epoch(self):
+        self.seqs.append(collectives._session.seq)
+
+
+def _opt_sum(opt_state) -> float:
+    return sum(float(t.double().sum()) for s in opt_state["state"] for t in s.values() if torch.is_tensor(t))
+
+
+def _learner(root, seed, cb) -> Learner:
+    set_seed(seed, reproducible=True)  # python, numpy, torch: the data order and the initial weights
+    return Learner(tabular_dls(root), Lin(), loss_func=MSELossFlat(), path=root, cbs=cb)
+
+
+def _fit(learn, n) -> Watch:
+    watch = Watch()
+    with learn.no_bar(), learn.no_logging(), learn.distrib_ctx(sync_bn=False):
+        learn.fit(n, 1e-2, cbs=watch)
+    return watch
+
+
+def _committed(root) -> list[int]:
+    return [s.step for s in list_steps(root) if s.status == "committed"]
+
+
+def _saver_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("ranksafe")]
+
+
+def _contents(step_dir) -> dict:
+    """Every file of a committed step, loaded (tensors and plain values)."""
+    return {name: ranksafe.load_file(os.path.join(step_dir, name)) for name in read_manifest(step_dir)["files"]}
+
+
+def _checkpoints(rank, root):
+    out = {}
+    # 1. synchronous checkpoints, keep=2, 3 epochs; RankSafe(resume=True) with nothing saved yet starts fresh
+    sync = RankSafe(checkpoint_dir="sync", keep=2, resume=True)
+    a = _learner(root, 0, sync)
+    watch = _fit(a, 3)
+    out["a"] = {"final": params(a), "opt": _opt_sum(a.opt.state_dict()), "trained": watch.trained}
+    out["a"]["recorder"] = [list(v) for v in a.recorder.values]
+    out["a"]["steps"] = _committed(os.path.join(root, "sync"))
+
+    # 2. the same training as 1 with async_save: the same files, written in the background
+    cb = RankSafe(checkpoint_dir="async", keep=2, async_save=True)
+    c = _learner(root, 0, cb)
+    watch = _fit(c, 3)
+    out["c"] = {"final": params(c), "steps": _committed(os.path.join(root, "async")), "threads": _saver_threads()}
+    out["c"]["lock_free"] = cb.state_lock.acquire_write(timeout=0)
+    cb.state_lock.release_write()
+    if rank == 0:
+        a_dir, c_dir = os.path.join(root, "sync"), os.path.join(root, "async")
+        same = {}
+        for step in (1, 2):
+            sa = _contents(os.path.join(a_dir, f"step_{step:08d}"))
+            sc = _contents(os.path.join(c_dir, f"step_{step:08d}"))
+            same[step] = (sorted(sa), _equal(sa, sc))
+        out["same_files"] = same
+
+    # 3. a new Learner (other initial weights per rank) resumes from the last step; every=2 from now on
+    b = _learner(root, 10 + rank, RankSafe(checkpoint_dir="sync", keep=2, every=2))
+    out["b_init"] = params(b)
+    watch = _fit(b.resume(), 5)
+    out["b"] = {"start": watch.start, "opt_start": watch.opt_start, "trained": watch.trained, "final": params(b)}
+    out["b"]["recorder"] = [list(v) for v in b.recorder.values]
+    out["b"]["seq_deltas"] = [y - x for x, y in zip(watch.seqs, watch.seqs[1:], strict=False)]
+    out["b"]["steps"] = _committed(os.path.join(root, "sync"))
+
+    # 4. rank 0's background write fails (a file stands where step 0's directory must go)
+    if rank == 0:
+        os.makedirs(os.path.join(root, "fail"))
+        open(os.path.join(root, "fail", "step_00000000"), "w").close()
+    ranksafe.barrier("file in the way")
+    cb = RankSafe(checkpoint_dir="fail", async_save=True)
+    d = _learner(root, 0, cb)
+    try:
+        _fit(d, 4)
+        out["d"] = {"error": None}
+    except Exception as e:
+        out["d"] = {"types": [t.__name__ for t in type(e).__mro__], "ranks": getattr(e, "ranks", None)}
+        out["d"]["epoch"], out["d"]["msg"] = d.epoch, str(e)
+    out["d"]["threads"] = _saver_threads()
+    out["d"]["lock_free"] = cb.state_lock.acquire_write(timeout=0)
+    return out
+
+
+def _equal(x, y) -> bool:
+    if torch.is_tensor(x):
+        return torch.is_tensor(y) and x.dtype == y.dtype and torch.equal(x, y)
+    if isinstance(x, dict):
+        return isinstance(y, dict) and x.keys() == y.keys() and all(_equal(x[k], y[k]) for k in x)
+    if isinstance(x, (list, tuple)):
+        return type(x) is type(y) and len(x) == len(y) and all(_equal(a, b) for a, b in zip(x, y, strict=True))
+    return type(x) is type(y) and x == y
+
+
+def test_checkpoints_resume_async_and_background_failure_on_two_ranks(tmp_path):
+    r0, r1 = run_ranks(_checkpoints, 2, args=(str(tmp_path),), timeout=300).values
+    for v in (r0, r1):
+        a, b, c = v["a"], v["b"], v["c"]
+        # 1. three epochs, keep=2: exactly steps 1 and 2 committed (numbered by epoch)
+        assert a["trained"] == [0, 1, 2] and a["steps"] == [1, 2]
+        # 3. the resumed fit trains epochs 3 and 4 only, from the weights and optimizer state of step 2
+        assert b["trained"] == [3, 4]
+        assert b["start"] == a["final"] != v["b_init"]
+        assert b["opt_start"] == a["opt"] and a["opt"] != 0
+        assert b["recorder"][:3] == a["recorder"]  # the recorded history of the epochs it skipped
+        assert len(b["recorder"]) == 5 and b["final"] != a["final"]
+        assert b["steps"] == [2, 3]  # every=2: epoch 3 saved, epoch 4 not; keep=2
+        # 2 collectives per epoch when nothing is saved (the epoch-start check, the record), 3 more per save
+        assert b["seq_deltas"] == [2, 2, 5, 2], b["seq_deltas"]
+        # 2. async: same training, same steps, no saver thread left, the optimizer step released the lock
+        assert c["final"] == a["final"] and c["steps"] == [1, 2]
+        assert c["threads"] == [] and c["lock_free"]
+        # 4. the failure is raised on both ranks, naming rank 0, by the epoch after the failed save
+        d = v["d"]
+        assert d.get("types") and "RankFailure" in d["types"] and "OSError" in d["types"], d
+        assert d["ranks"] == [0] and d["epoch"] == 1, d
+        assert d["threads"] == [] and d["lock_free"]
+    assert r0["a"]["final"] == r1["a"]["final"] and r0["b"]["start"] == r1["b"]["start"]
+    assert r0["b_init"] != r1["b_init"]  # the ranks started from different weights before the resume
+    for step, (names, same) in r0["same_files"].items():
+        assert names == ["rng-00000.pt", "rng-00001.pt", "state.pt"], names
+        assert same, f"step {step}: the async files differ from the sync ones"
