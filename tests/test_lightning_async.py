@@ -185,6 +185,8 @@ def test_load_and_teardown_wait_for_the_write_in_flight(tmp_path):
     clone = pickle.loads(pickle.dumps(plain))
     plain.teardown()
     assert clone.async_save and clone._saver is None and clone._lock is None
+    callback = pickle.loads(pickle.dumps(RankSafe(checkpoint_dir=tmp_path / "managed", keep=2, async_save=True)))
+    assert callback.manager.async_save and callback.manager.keep == 2 and callback.manager._saver.lock is callback.lock
 
 
 class Model(pl.LightningModule):
@@ -309,8 +311,9 @@ def test_ddp_background_failure_raised_on_both_ranks_within_one_step(tmp_path):
 
 
 def test_ddp_checkpoint_manager_keeps_two_steps_and_resumes_from_the_latest(tmp_path):
-    # 3 epochs of 12 steps, RankSafe(checkpoint_dir, keep=2), and background ModelCheckpoint saves at the same time
-    common = ("--async-save", "--slow-write", "0.3", "--every-n-steps", "12", "--manager-keep", "2")
+    # 3 epochs of 12 steps, RankSafe(checkpoint_dir, keep=2, async_save=True), and background ModelCheckpoint
+    # saves at the same time
+    common = ("--async-save", "--slow-write", "0.3", "--every-n-steps", "12", "--manager-keep", "2", "--manager-async")
     first = finish(start(tmp_path, *common, "--epochs", "3", script=SCRIPT))
     assert not first.hung and first.proc.returncode == 0, first.output[-4000:]
     for result in (first.rank(0), first.rank(1)):

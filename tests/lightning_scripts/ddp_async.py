@@ -23,6 +23,7 @@ parser.add_argument("--fail-write", type=int, default=0, help="this write and ev
 parser.add_argument("--every-n-steps", type=int, default=0, help="ModelCheckpoint(save_top_k=1) every N steps")
 parser.add_argument("--manager-keep", type=int, default=0, help="RankSafe(checkpoint_dir=OUT/managed, keep=K)")
 parser.add_argument("--resume", action="store_true", help="RankSafe(resume=True)")
+parser.add_argument("--manager-async", action="store_true", help="RankSafe(async_save=True): background commits")
 args = parser.parse_args()
 
 import lightning.pytorch as pl  # noqa: E402
@@ -138,7 +139,7 @@ def main() -> None:
     callbacks: list[pl.Callback] = [probe]
     managed = os.path.join(args.out, "managed")
     callbacks.append(
-        RankSafe(checkpoint_dir=managed, keep=args.manager_keep, resume=args.resume)
+        RankSafe(checkpoint_dir=managed, keep=args.manager_keep, resume=args.resume, async_save=args.manager_async)
         if args.manager_keep
         else RankSafe()
     )

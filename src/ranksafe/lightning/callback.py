@@ -29,6 +29,7 @@ In a single process nothing is wrapped: behaviour and files are stock Lightning'
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from collections.abc import Callable
@@ -136,12 +137,14 @@ def _wrap_once(obj: Any, method: str, wrap: Callable[[Callable], Callable]) -> N
         setattr(obj, method, wrap(getattr(obj, method)))
 
 
-def _holding(lock: StateDictLock) -> Callable[[Callable], Callable]:
-    """``optimizer_step`` wrapped in the write side of ``lock``: no snapshot sees weights mid-update."""
+def _holding(locks: list[StateDictLock]) -> Callable[[Callable], Callable]:
+    """``optimizer_step`` wrapped in the write side of ``locks``: no snapshot sees weights mid-update."""
 
     def wrap(step: Callable) -> Callable:
         def optimizer_step(*args: Any, **kwargs: Any) -> Any:
-            with lock.write():
+            with contextlib.ExitStack() as held:
+                for lock in locks:
+                    held.enter_context(lock.write())
                 return step(*args, **kwargs)
 
         return optimizer_step
@@ -176,6 +179,9 @@ class RankSafe(Callback):
         resume: ``trainer.fit(model)`` without ``ckpt_path`` starts from the latest step committed on every
             node (:meth:`latest_checkpoint`), or from scratch when there is none. An explicit ``ckpt_path``
             wins.
+        async_save: the manager commits each step in the background (``CheckpointManager(async_save=True)``):
+            the epoch end waits only for the snapshot; a failed commit is raised on every rank at the end of
+            the next training step, and ``on_fit_end`` waits for the last one.
     """
 
     def __init__(
@@ -188,6 +194,7 @@ class RankSafe(Callback):
         every_n_epochs: int = 1,
         storage: Storage = "auto",
         resume: bool = False,
+        async_save: bool = False,
     ):
         if isinstance(every_n_epochs, bool) or not isinstance(every_n_epochs, int) or every_n_epochs < 1:
             raise ValueError(f"every_n_epochs must be a positive int, not {every_n_epochs!r}")
@@ -198,10 +205,25 @@ class RankSafe(Callback):
         self.timeout = timeout
         self.every_n_epochs = every_n_epochs
         self.resume = resume
-        self.manager = (
-            None if checkpoint_dir is None else CheckpointManager(checkpoint_dir, keep, storage, timeout=timeout)
-        )
+        self._manager_args = None if checkpoint_dir is None else (checkpoint_dir, keep, storage, timeout, async_save)
+        self.lock = StateDictLock()  # the manager's snapshots take its read side; optimizer steps its write side
+        self.manager = self._new_manager()
         self._io: RankSafeCheckpointIO | None = None  # the async plugin of the current run, if any
+
+    def _new_manager(self) -> CheckpointManager | None:
+        if self._manager_args is None:
+            return None
+        root, keep, storage, timeout, async_save = self._manager_args
+        return CheckpointManager(root, keep, storage, timeout=timeout, async_save=async_save, lock=self.lock)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """``ddp_spawn`` pickles the callbacks with the Trainer: locks and threads are made anew in the worker."""
+        return {**self.__dict__, "lock": None, "manager": None, "_io": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.lock = StateDictLock()
+        self.manager = self._new_manager()
 
     def latest_checkpoint(self) -> str | None:
         """The file of the newest step committed on every node, the same on every rank, or None; collective.
@@ -214,6 +236,10 @@ class RankSafe(Callback):
             raise ValueError("latest_checkpoint() needs RankSafe(checkpoint_dir=...)")
         step = self.manager.latest()
         return None if step is None else os.path.join(self.manager.step_dir(step), STATE)
+
+    @property
+    def _async_manager(self) -> bool:
+        return self.manager is not None and self.manager.async_save
 
     def _managed_step(self, path: Any) -> int | None:
         """The step whose state file ``path`` is, when it lies in this callback's checkpoint_dir."""
@@ -232,7 +258,11 @@ class RankSafe(Callback):
         self._io = _async_io(trainer)
         if self._io is not None:
             self._io._attach()
-            _wrap_once(trainer.strategy, "optimizer_step", _holding(self._io.lock))
+        locks = [self._io.lock] if self._io is not None else []
+        if self._async_manager:
+            locks.append(self.lock)
+        if locks:
+            _wrap_once(trainer.strategy, "optimizer_step", _holding(locks))
         if self.resume:
             _wrap_once(trainer._checkpoint_connector, "_restore_modules_and_callbacks", self._resuming(trainer))
         if not _shared():
@@ -261,6 +291,8 @@ class RankSafe(Callback):
         """A background write that failed is raised on every rank now, not at the next save."""
         if self._io is not None:
             self._io.check()
+        if self._async_manager:
+            self.manager.check()  # type: ignore[union-attr]
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Every ``every_n_epochs`` epochs, the Trainer's full checkpoint becomes a committed manager step."""
@@ -273,10 +305,14 @@ class RankSafe(Callback):
         """The plugin's teardown (before this hook) waited for the last write: report its outcome everywhere."""
         if self._io is not None:
             self._io.check()
+        if self._async_manager:
+            self.manager.close()  # type: ignore[union-attr]  # waits for the last step's commit, then checks
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """A rank failing alone stops the others at their current or next ranksafe collective, at once."""
         abort(exception)
+        if self.manager is not None:
+            self.manager.wait()  # a step being committed in the background is not lost
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """ModelCheckpoint resolved its directory in its own ``setup``: prepare it now, before the first save."""
