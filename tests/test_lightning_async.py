@@ -190,12 +190,13 @@ def test_load_and_teardown_wait_for_the_write_in_flight(tmp_path):
 
 
 class Model(pl.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, step_time: float = 0.15) -> None:
         super().__init__()
         self.layer = torch.nn.Linear(4, 1)
+        self.step_time = step_time
 
     def training_step(self, batch, batch_idx):
-        time.sleep(0.15)  # a step takes longer than a write: the stock control's timeline is deterministic
+        time.sleep(self.step_time)  # a step longer than a write: the stock control's timeline is deterministic
         x, y = batch
         return torch.nn.functional.mse_loss(self.layer(x), y)
 
@@ -333,3 +334,40 @@ def test_ddp_checkpoint_manager_keeps_two_steps_and_resumes_from_the_latest(tmp_
         assert result["ckpt_path"] == str(tmp_path / "managed" / "step_00000036" / "state.pt")
         assert result["start_step"] == 36 and result["global_step"] == 48
         assert result["managed"] == [[36, "committed"], [48, "committed"]]
+
+
+class BatchCount(pl.Callback):
+    def __init__(self) -> None:
+        self.batches = 0
+
+    def on_train_batch_end(self, *args):
+        self.batches += 1
+
+
+def _fit_managed(root: Path, epochs: int, **rank_safe) -> pl.Trainer:
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_epochs=epochs, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False,
+        callbacks=[BatchCount(), RankSafe(checkpoint_dir=root, **rank_safe)],
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g))
+    trainer.fit(Model(step_time=0), torch.utils.data.DataLoader(data, batch_size=4))
+    return trainer
+
+
+def test_one_process_resume_from_the_manager_verifies_the_step(tmp_path):
+    root = tmp_path / "managed"
+    first = _fit_managed(root, 2, keep=1, async_save=True)  # 4 steps an epoch
+    assert [(s.step, s.status) for s in ranksafe.list_steps(root)] == [(8, "committed")]
+    assert first.callbacks[0].batches == 8
+    resumed = _fit_managed(root, 3, keep=1, resume=True)
+    assert resumed.ckpt_path == str(root / "step_00000008" / "state.pt") and resumed.global_step == 12
+    assert resumed.callbacks[0].batches == 4  # only the third epoch ran
+    assert [s.step for s in ranksafe.list_steps(root)] == [12]
+    state = root / "step_00000012" / "state.pt"
+    data = bytearray(state.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    state.write_bytes(bytes(data))
+    with pytest.raises(ranksafe.CorruptCheckpoint, match="step_00000012"):  # checked against the manifest
+        _fit_managed(root, 4, keep=1, resume=True)
