@@ -7,10 +7,12 @@ millisecond by a thread, minus the RSS before the call), min/median/max, and rat
 * ``raw``: the tensors' bytes written to one file, then fsync: the floor for a durable write of this data.
 * ``stock``: ``TorchCheckpointIO.save_checkpoint``; serialises into memory, writes via $TMPDIR, no fsync.
 * ``ranksafe``: ``RankSafeCheckpointIO.save_checkpoint``; streams beside the target, CRC footer, fsync, rename.
-* ``ranksafe-nozipcrc``: the same with ``torch.serialization.set_crc32_options(False)``: torch skips the
-  zip's own CRC32s, ranksafe's footer CRC (zlib.crc32 while streaming) remains the integrity check.
+  (``atomic_save`` skips torch's zip CRC32s, which its footer CRC makes redundant.)
+* ``ranksafe.atomic_save``: the function alone, without the plugin around it.
+* ``atomic_save@REV`` (with ``--baseline REV``): ``src/ranksafe/files.py`` as of git revision REV, loaded
+  beside the current one (see ``save_path.py``), so before/after numbers come from the same run.
 
-Usage: python benchmarks/lightning_io.py [--sizes-mib 100 1024] [--runs 5] [--dir DIR]
+Usage: python benchmarks/lightning_io.py [--sizes-mib 100 1024] [--runs 5] [--baseline REV] [--dir DIR]
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from collections.abc import Callable
 import torch
 from lightning.pytorch.plugins import TorchCheckpointIO
 
+from ranksafe.files import atomic_save
 from ranksafe.lightning import RankSafeCheckpointIO
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -78,32 +81,28 @@ def raw_write(checkpoint: dict, path: str) -> None:
         os.fsync(f.fileno())
 
 
-def methods() -> dict[str, Callable[[dict, str], None]]:
+def methods(baseline: str | None) -> dict[str, Callable[[dict, str], None]]:
     stock, ours = TorchCheckpointIO(), RankSafeCheckpointIO()
-
-    def ranksafe_nozipcrc(checkpoint: dict, path: str) -> None:
-        torch.serialization.set_crc32_options(False)
-        try:
-            ours.save_checkpoint(checkpoint, path)
-        finally:
-            torch.serialization.set_crc32_options(True)
-
-    return {
+    chosen = {
         "raw": raw_write,
         "stock": stock.save_checkpoint,
         "ranksafe": ours.save_checkpoint,
-        "ranksafe-nozipcrc": ranksafe_nozipcrc,
+        "ranksafe.atomic_save": atomic_save,
     }
+    if baseline:
+        from save_path import load_revision  # the sibling benchmark; its directory is on sys.path
+
+        chosen[f"atomic_save@{baseline}"] = load_revision(baseline).atomic_save
+    return chosen
 
 
 def spread(values: list[float], fmt: str) -> str:
     return "/".join(fmt.format(v) for v in (min(values), statistics.median(values), max(values)))
 
 
-def bench(size_mib: int, runs: int, directory: str) -> None:
+def bench(size_mib: int, runs: int, directory: str, fns: dict[str, Callable[[dict, str], None]]) -> None:
     checkpoint = make_checkpoint(size_mib)
     size = sum(t.numel() * 4 for t in checkpoint["state_dict"].values())
-    fns = methods()
     times: dict[str, list[float]] = {m: [] for m in fns}
     extras: dict[str, list[float]] = {m: [] for m in fns}
     for _ in range(runs):
@@ -120,23 +119,26 @@ def bench(size_mib: int, runs: int, directory: str) -> None:
             os.unlink(path)
     raw = statistics.median(times["raw"])
     print(f"\n{size / (1 << 20):.0f} MiB state, {runs} runs each (min/median/max)")
-    print(f"{'method':<19} {'seconds':>22} {'x raw+fsync (median)':>21} {'extra RAM / size':>22}")
+    print(f"{'method':<21} {'seconds':>22} {'x raw+fsync (median)':>21} {'extra RAM / size':>22}")
     for name in fns:
         ratio = statistics.median(times[name]) / raw
-        print(f"{name:<19} {spread(times[name], '{:.3f}'):>22} {ratio:>21.2f} {spread(extras[name], '{:.3f}'):>22}")
+        print(f"{name:<21} {spread(times[name], '{:.3f}'):>22} {ratio:>21.2f} {spread(extras[name], '{:.3f}'):>22}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[100, 1024])
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--baseline", default=None, help="git revision of src/ranksafe/files.py to compare with")
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary dir in the cwd)")
     args = parser.parse_args()
     directory = tempfile.mkdtemp(prefix="lightning_io-", dir=args.dir or os.getcwd())
-    print(f"torch {torch.__version__}, writing to {directory}; $TMPDIR={tempfile.gettempdir()} (stock's temp files)")
+    print(f"torch {torch.__version__}, load average {os.getloadavg()}, writing to {directory}")
+    print(f"$TMPDIR={tempfile.gettempdir()} (stock's temp files)")
+    fns = methods(args.baseline)
     try:
         for size in args.sizes_mib:
-            bench(size, args.runs, directory)
+            bench(size, args.runs, directory, fns)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 

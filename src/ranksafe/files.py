@@ -135,7 +135,7 @@ def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
     """libc's ``sync_file_range`` (Linux; Python has no binding), or None where there is none."""
     try:
         fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # no such symbol; no "current process" library (Windows)
         return None
     fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
     fn.restype = ctypes.c_int
