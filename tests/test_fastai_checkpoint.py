@@ -41,7 +41,8 @@ class Watch(Callback):
         self.trained.append(self.epoch)
 
     def after_epoch(self):
-        self.seqs.append(collectives._session.seq)
+        s = collectives._session
+        self.seqs.append(s.seq if s is not None else None)
 
 
 def _opt_sum(opt_state) -> float:
@@ -164,3 +165,50 @@ def test_checkpoints_resume_async_and_background_failure_on_two_ranks(tmp_path):
     for step, (names, same) in r0["same_files"].items():
         assert names == ["rng-00000.pt", "rng-00001.pt", "state.pt"], names
         assert same, f"step {step}: the async files differ from the sync ones"
+
+
+# ------------------------------------------------------------------------------------------------ one process
+
+
+class ValidateInside(Callback):
+    """Calls learn.validate() at every epoch end, as some metric callbacks do: it fires before_fit/after_fit."""
+
+    order, inside = 60, False
+
+    def after_epoch(self):
+        if not self.inside:  # validate() fires after_epoch too
+            self.inside = True
+            self.learn.validate()
+            self.inside = False
+
+
+def test_one_process_mixin_async_resume_export_and_validate_inside_fit(tmp_path):
+    import ranksafe.fastai as rf
+
+    class MyLearner(rf.RankSafeLearner, Learner):
+        pass
+
+    def make(seed):
+        set_seed(seed, reproducible=True)
+        cb = RankSafe(checkpoint_dir="ckpt", keep=None, async_save=True)
+        return MyLearner(tabular_dls(tmp_path), Lin(), loss_func=MSELossFlat(), path=tmp_path, cbs=cb)
+
+    learn = make(0)
+    with learn.no_bar(), learn.no_logging():
+        learn.fit(3, 1e-2, cbs=ValidateInside())
+    # the nested validate passes neither stopped nor duplicated the checkpoints; the last one is committed
+    assert _committed(tmp_path / "ckpt") == [0, 1, 2] and _saver_threads() == []
+    saved = ranksafe.load_file(tmp_path / "ckpt" / "step_00000002" / "state.pt")  # weights_only: plain types
+    assert saved["epoch"] == 2 and torch.equal(saved["model"]["l.weight"].flatten(), torch.tensor(params(learn)[:3]))
+    learn.export("export.pkl")  # the manager, its thread and lock stay out of the pickle
+    loaded = rf.load_learner(tmp_path / "export.pkl", trusted=True)
+    assert params(loaded) == params(learn)
+
+    again = make(1)
+    with again.no_bar(), again.no_logging():
+        watch = _fit(again.resume(), 4)
+    assert watch.trained == [3] and watch.start == params(learn)
+    assert _committed(tmp_path / "ckpt") == [0, 1, 2, 3]
+    with again.no_bar(), again.no_logging():
+        watch = _fit(again, 1)  # resume is one-shot: the next fit starts at epoch 0
+    assert watch.trained == [0]
