@@ -73,7 +73,8 @@ def finish(run: Run, timeout: float = DEADLINE) -> Run:
 def stock_controls(tmp_path_factory):
     """Stock Lightning with rank 0's first write failing, started early: they spend most of their time waiting."""
     base = tmp_path_factory.mktemp("stock")
-    common = ("--stock", "--fail-save", "1", "--pg-timeout", "10")
+    # 20 s: long enough for a loaded machine to start both ranks (the timeout bounds the connect too)
+    common = ("--stock", "--fail-save", "1", "--pg-timeout", "20")
     runs = {
         "stay": start(base / "stay", *common, "--after-fail", "stay"),
         "exit": start(base / "exit", *common, "--after-fail", "exit"),
@@ -101,9 +102,11 @@ def test_write_failure_on_rank0_raises_on_every_rank_within_5s(tmp_path, after_f
 
 def test_stock_lightning_control_hangs_or_loses_the_cause(stock_controls):
     stay, died = (finish(stock_controls[k]) for k in ("stay", "exit"))
-    # rank 0 alive after its failed write: rank 1 waits in the barrier until the process-group timeout (10 s)
+    for run in (stay, died):  # the controls must have reached their injected fault to show anything
+        assert (run.out / "fault.json").exists(), f"stock control failed before its fault:\n{run.output[-3000:]}"
+    # rank 0 alive after its failed write: rank 1 waits in the barrier until the process-group timeout (20 s)
     waited = stay.rank(1)["t_raised"] - stay.fault_time()
-    assert waited >= 9, waited
+    assert waited >= 19, waited
     assert "Timed out" in stay.rank(1)["error"]
     # rank 0 exits: rank 1 gets a connection error from gloo or the store ("Connection closed by peer", or a
     # socket timeout when it next reaches for the store), with nothing about the cause
