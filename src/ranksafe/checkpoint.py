@@ -330,6 +330,10 @@ class CheckpointManager:
         (name -> bytes, str, or an object for ``torch.save``) are written by the writer(s) alone, after the
         block. If any rank fails, no rank commits and every rank raises :class:`RankFailure`. Three
         exchanges in all, whatever the world size.
+
+        With ``async_save``: the first exchange is :meth:`check` (after the writer waited for the previous
+        commit), and the block's end snapshots ``writer_files`` and hands the commit to the background
+        thread instead of the third exchange.
         """
         writer_files = dict(writer_files or {})
         for name in writer_files:
