@@ -112,23 +112,6 @@ def clean_orphans(directory: str | os.PathLike, prefix: str = "") -> list[str]:
 _OVERLAP = 1 << 20  # writes at least this large are hashed in a helper thread while they are written
 _BUFFERING = 256 << 10  # writes larger than the buffer go straight to the fd: no copy through it
 _WRITEBACK = 8 << 20  # ask the kernel to start writing back every this many bytes (Linux)
-_pool_state: dict[int, ThreadPoolExecutor] = {}
-_pool_lock = threading.Lock()
-
-
-def _crc_pool() -> ThreadPoolExecutor:
-    """The helper threads that hash while the caller writes, one pool per process.
-
-    Keyed by pid: a child forked while the pool existed inherits a pool whose threads do not exist in it,
-    and submitting to that one would never run.
-    """
-    pid = os.getpid()
-    with _pool_lock:
-        pool = _pool_state.get(pid)
-        if pool is None:
-            _pool_state.clear()
-            pool = _pool_state[pid] = ThreadPoolExecutor(max_workers=4, thread_name_prefix="ranksafe-crc")
-        return pool
 
 
 def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
@@ -161,13 +144,20 @@ def _start_writeback(fd: int, offset: int) -> None:
 class _ChecksummingWriter:
     """A write-only file wrapper that counts and CRCs every byte on its way to disk.
 
-    A large write is hashed by a helper thread *while* the caller writes it (``zlib.crc32`` and the file
-    write both release the GIL), so the checksum costs little more than the write itself. ``write`` returns
-    only once both are done: torch hands us views of its own buffers, which may be freed right after.
+    Given a ``helper`` (one worker thread), a large write is hashed there *while* the caller writes it
+    (``zlib.crc32`` and the file write both release the GIL), so the checksum costs little more than the
+    write itself. ``write`` returns only once both are done: torch hands us views of its own buffers, which
+    may be freed right after.
     """
 
-    def __init__(self, f: IO[bytes], on_first_write: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        f: IO[bytes],
+        on_first_write: Callable[[], None] | None = None,
+        helper: ThreadPoolExecutor | None = None,
+    ):
         self._f = f
+        self._helper = helper
         self._on_first_write = on_first_write
         self.length = 0
         self.crc = 0
@@ -184,11 +174,11 @@ class _ChecksummingWriter:
             self._on_first_write = None
         size = memoryview(data).nbytes
         try:
-            if size < _OVERLAP:
+            if self._helper is None or size < _OVERLAP:
                 n = self._f.write(data)
                 self.crc = zlib.crc32(data, self.crc)
             else:
-                crc = _crc_pool().submit(zlib.crc32, data, self.crc)
+                crc = self._helper.submit(zlib.crc32, data, self.crc)
                 try:
                     n = self._f.write(data)
                 finally:  # even when the write failed: the helper may still be reading data
@@ -321,13 +311,32 @@ def _torch_zip_crc_off() -> Iterator[Callable[[], None]]:
         restore()
 
 
+@contextlib.contextmanager
+def _crc_helper() -> Iterator[ThreadPoolExecutor | None]:
+    """A thread that hashes while the caller writes, for the length of one save, on the main thread only.
+
+    On the main thread the training loop waits for the save, and hashing beside the write shortens the wait.
+    Elsewhere (a background saver) nobody waits, and a second thread would only take CPU from training. The
+    thread starts at the first large write and is gone when the save returns, in every process (no pool to
+    outlive a fork).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield None
+        return
+    helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ranksafe-crc")
+    try:
+        yield helper
+    finally:
+        helper.shutdown(wait=True)
+
+
 def atomic_save(obj: Any, path: str | os.PathLike, **torch_save_kwargs: Any) -> str:
     """``torch.save`` ``obj`` to ``path`` atomically, with an integrity footer. Local, no collectives.
 
     torch's own zip CRCs are skipped (the footer covers the same bytes, see :func:`_torch_zip_crc_off`).
     """
-    with atomic_write(path) as f, _torch_zip_crc_off() as restore:
-        w = _ChecksummingWriter(f, on_first_write=restore)
+    with atomic_write(path) as f, _crc_helper() as helper, _torch_zip_crc_off() as restore:
+        w = _ChecksummingWriter(f, on_first_write=restore, helper=helper)
         try:
             torch.save(obj, w, **torch_save_kwargs)
         except Exception as e:
