@@ -226,6 +226,7 @@ class RankSafe(Callback):
 
     # Events
     def before_fit(self) -> None:
+        """Guard CSVLogger and lr_find for this fit; open the checkpoint manager and resume if asked."""
         if topology.world_size() >= 2:
             for cb in self.learn.cbs:
                 if isinstance(cb, CSVLogger) and _WRAPPED not in cb.__dict__:
@@ -282,14 +283,17 @@ class RankSafe(Callback):
             barrier("fastai: epoch start")
 
     def before_train(self) -> None:
+        """Note that this epoch trains (a validate-only pass saves nothing)."""
         object.__setattr__(self, "_trained", True)
 
     def before_step(self) -> None:
+        """Hold the write side of :attr:`state_lock` during the optimizer step (async saves only)."""
         if self._checkpointing and self.async_save:
             self.state_lock.acquire_write()
             object.__setattr__(self, "_holding", True)
 
     def after_step(self) -> None:
+        """Release the write side: a background snapshot may read the weights again."""
         self._release()
 
     def _release(self) -> None:
@@ -312,6 +316,7 @@ class RankSafe(Callback):
                 tx.save(rng_state(), rng_file(topology.rank()))
 
     def after_fit(self) -> None:
+        """At the end of the outermost fit: wait for the last checkpoint and raise its failure on every rank."""
         if not self._active:
             return
         object.__setattr__(self, "_depth", self._depth - 1)
