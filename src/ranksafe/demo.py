@@ -66,8 +66,12 @@ def _worker(rank: int, world: int, port: int, root: str, rounds: int, queue: Any
         opt.step()
     state = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
 
-    naive = sum(_naive_round(os.path.join(root, "naive"), state) for _ in range(rounds))
-    safe = sum(_ranksafe_round(os.path.join(root, "ranksafe"), state) for _ in range(rounds))
+    naive = safe = 0
+    for i in range(rounds):  # the two patterns side by side, round after round
+        n = _naive_round(os.path.join(root, "naive"), state)
+        s = _ranksafe_round(os.path.join(root, "ranksafe"), state)
+        naive, safe = naive + n, safe + s
+        queue.put({"progress": i, "rank": rank, "naive": n, "ranksafe": s})
 
     blocker = os.path.join(root, "blocker")
     if rank == 0:
@@ -92,6 +96,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class _Progress:
+    """One line per save round, once every rank has reported it: errors so far, naive versus ranksafe."""
+
+    def __init__(self, ranks: int, rounds: int):
+        self.ranks, self.rounds = ranks, rounds
+        self.seen: dict[int, list[dict]] = {}
+        self.naive = self.safe = 0
+
+    def add(self, message: dict) -> None:
+        reports = self.seen.setdefault(message["progress"], [])
+        reports.append(message)
+        if len(reports) < self.ranks:
+            return
+        self.naive += sum(m["naive"] for m in reports)
+        self.safe += sum(m["ranksafe"] for m in reports)
+        done = message["progress"] + 1
+        bar = "#" * (20 * done // self.rounds)
+        print(
+            f"  round {done:>3}/{self.rounds} [{bar:<20}]  errors so far: naive {self.naive:>3}, ranksafe {self.safe}"
+        )
+
+
 def run(ranks: int = 4, rounds: int = 10, timeout: float = 180.0) -> int:
     """Run the demo on ``ranks`` spawned CPU processes; print what happened. Returns an exit code."""
     print(f"ranksafe demo: {ranks} processes (torch.multiprocessing spawn, gloo, CPU), {rounds} save rounds each\n")
@@ -103,12 +129,18 @@ def run(ranks: int = 4, rounds: int = 10, timeout: float = 180.0) -> int:
         for p in procs:
             p.start()
         results, deadline = [], time.monotonic() + timeout
+        progress = _Progress(ranks, rounds)
         while len(results) < ranks and time.monotonic() < deadline:
             try:
-                results.append(queue.get(timeout=1))
+                message = queue.get(timeout=1)
             except Exception:
                 if any(p.exitcode not in (None, 0) for p in procs):
                     break
+                continue
+            if "progress" in message:
+                progress.add(message)
+            else:
+                results.append(message)
         for p in procs:
             p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
