@@ -119,9 +119,8 @@ def bench_dcp(state: dict, reps: int, directory: str) -> tuple[list[float], int,
     import torch.distributed.checkpoint as dcp
 
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29571")
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        # an in-process store: no port to collide with another run on the machine
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     warnings.filterwarnings("ignore", message="Detected an existing checkpoint")  # we overwrite on purpose
     pending = []
 
@@ -144,6 +143,48 @@ def row(name: str, times: list[float], floor: float, held: int, top: int | None)
     )
 
 
+Result = tuple[list[float], int, int | None]
+
+
+def run_methods(state: dict, reps: int, directory: str | None, only: list[str]) -> dict[str, Result]:
+    """Blocked seconds, held bytes and peak bytes per method; the floor always runs, as every ratio needs it."""
+    with tempfile.TemporaryDirectory(dir=directory) as work:
+        results = {"floor": bench_floor(state, reps)}
+        benches = {"ranksafe": bench_ranksafe, "lightning": bench_lightning, "dcp": bench_dcp}
+        for name, fn in benches.items():
+            if name in only:
+                try:
+                    results[name] = fn(state, reps, work)
+                except Exception as e:  # a baseline that cannot run here is reported, not fatal
+                    print(f"{name}: could not run: {type(e).__name__}: {e}", file=sys.stderr)
+    return results
+
+
+def collect(sizes_mib: list[int], reps: int, directory: str | None = None) -> list[dict]:
+    """One row per method and size: ``benchmark``, ``size_mib``, ``method``, ``baseline`` (``floor``), ``times``
+    (seconds save() blocked, per rep), ``extra`` (peak extra RSS / state size; None where the peak cannot be
+    reset) and ``held`` (RSS left behind / state size); plain data so ``python -m benchmarks`` can pass it
+    between processes. A method that fails is reported on stderr and left out."""
+    rows = []
+    for size_mib in sizes_mib:
+        state = make_state(size_mib, 1000)
+        size = nbytes(state)
+        for name, (times, held, top) in run_methods(state, reps, directory, ["ranksafe", "lightning", "dcp"]).items():
+            rows.append(
+                {
+                    "benchmark": "async_save",
+                    "size_mib": size / MiB,
+                    "method": name,
+                    "baseline": "floor",
+                    "times": times,
+                    "extra": [top / size] if top is not None else None,
+                    "held": held / size,
+                }
+            )
+        del state
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size-mib", type=int, default=100, help="bytes of tensors in the state (100 or 1024)")
@@ -157,16 +198,8 @@ def main() -> None:
         f"state: {len(state['model'])} tensors, {nbytes(state) / MiB:.0f} MiB; {args.reps} reps; "
         f"torch {torch.__version__}; {os.cpu_count()} CPUs"
     )
-    with tempfile.TemporaryDirectory(dir=args.dir) as directory:
-        results = {"floor": bench_floor(state, args.reps)}
-        floor = statistics.median(results["floor"][0])
-        benches = {"ranksafe": bench_ranksafe, "lightning": bench_lightning, "dcp": bench_dcp}
-        for name, fn in benches.items():
-            if name in args.only:
-                try:
-                    results[name] = fn(state, args.reps, directory)
-                except Exception as e:  # a baseline that cannot run here is reported, not fatal
-                    print(f"{name}: could not run: {type(e).__name__}: {e}", file=sys.stderr)
+    results = run_methods(state, args.reps, args.dir, args.only)
+    floor = statistics.median(results["floor"][0])
     print("blocked ms:   min   median      max   median/floor max/floor   extra RSS MiB: held  peak")
     for name, (times, held, top) in results.items():
         print(row(name, times, floor, held, top))

@@ -90,7 +90,10 @@ def methods(baseline: str | None) -> dict[str, Callable[[dict, str], None]]:
         "ranksafe.atomic_save": atomic_save,
     }
     if baseline:
-        from save_path import load_revision  # the sibling benchmark; its directory is on sys.path
+        if __package__:  # imported as benchmarks.lightning_io
+            from .save_path import load_revision
+        else:  # run as a script: the sibling benchmark's directory is on sys.path
+            from save_path import load_revision
 
         chosen[f"atomic_save@{baseline}"] = load_revision(baseline).atomic_save
     return chosen
@@ -100,7 +103,10 @@ def spread(values: list[float], fmt: str) -> str:
     return "/".join(fmt.format(v) for v in (min(values), statistics.median(values), max(values)))
 
 
-def bench(size_mib: int, runs: int, directory: str, fns: dict[str, Callable[[dict, str], None]]) -> None:
+def measure(size_mib: int, runs: int, directory: str, fns: dict[str, Callable[[dict, str], None]]) -> list[dict]:
+    """One row per method: ``benchmark``, ``size_mib``, ``method``, ``baseline`` (``raw``), ``times`` (seconds per
+    run) and ``extra`` (peak extra RSS / state size per run), plain data so ``python -m benchmarks`` can pass it
+    between processes."""
     checkpoint = make_checkpoint(size_mib)
     size = sum(t.numel() * 4 for t in checkpoint["state_dict"].values())
     times: dict[str, list[float]] = {m: [] for m in fns}
@@ -117,12 +123,36 @@ def bench(size_mib: int, runs: int, directory: str, fns: dict[str, Callable[[dic
                 times[name].append(time.perf_counter() - start)
             extras[name].append(mem.extra / size)
             os.unlink(path)
-    raw = statistics.median(times["raw"])
-    print(f"\n{size / (1 << 20):.0f} MiB state, {runs} runs each (min/median/max)")
+    return [
+        {
+            "benchmark": "lightning_io",
+            "size_mib": size / (1 << 20),
+            "method": name,
+            "baseline": "raw",
+            "times": times[name],
+            "extra": extras[name],
+        }
+        for name in fns
+    ]
+
+
+def collect(sizes_mib: list[int], runs: int, directory: str | None = None) -> list[dict]:
+    """The default methods (no baseline revision) at every size, written in a temporary directory."""
+    work = tempfile.mkdtemp(prefix="lightning_io-", dir=directory or os.getcwd())
+    try:
+        return [row for size in sizes_mib for row in measure(size, runs, work, methods(None))]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def bench(size_mib: int, runs: int, directory: str, fns: dict[str, Callable[[dict, str], None]]) -> None:
+    rows = measure(size_mib, runs, directory, fns)
+    raw = statistics.median(rows[0]["times"])
+    print(f"\n{rows[0]['size_mib']:.0f} MiB state, {runs} runs each (min/median/max)")
     print(f"{'method':<21} {'seconds':>22} {'x raw+fsync (median)':>21} {'extra RAM / size':>22}")
-    for name in fns:
-        ratio = statistics.median(times[name]) / raw
-        print(f"{name:<21} {spread(times[name], '{:.3f}'):>22} {ratio:>21.2f} {spread(extras[name], '{:.3f}'):>22}")
+    for row in rows:
+        seconds, extra = spread(row["times"], "{:.3f}"), spread(row["extra"], "{:.3f}")
+        print(f"{row['method']:<21} {seconds:>22} {statistics.median(row['times']) / raw:>21.2f} {extra:>22}")
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ machine's load hits every method alike), and prints min/median/max seconds and t
 * ``atomic_save@REV``: ``src/ranksafe/files.py`` as of git revision REV (``--baseline REV``), loaded beside
   the current one, so before/after numbers come from the same run.
 * ``torch.save+fsync``: stock ``torch.save`` into a file opened here, flushed and fsynced (zip CRCs on).
+* ``torch.save``: stock ``torch.save(state, path)``, as most training scripts call it (no fsync).
 
 With ``--parts`` it also times the pieces on their own: ``torch.save`` into a sink that discards the bytes
 (zip CRCs on and off), ``zlib.crc32`` over the bytes, and the raw write without fsync.
@@ -105,6 +106,7 @@ def methods(baseline: str | None, parts: bool) -> dict[str, Callable[[dict, str]
     if baseline:
         chosen[f"atomic_save@{baseline}"] = load_revision(baseline).atomic_save
     chosen["torch.save+fsync"] = stock_save_fsync
+    chosen["torch.save"] = torch.save  # as most training scripts call it: to a path, no fsync
     if parts:
         chosen["part: write, no fsync"] = lambda state, path: raw_write(state, path, fsync=False)
         chosen["part: zlib.crc32"] = _crc
@@ -117,7 +119,10 @@ def spread(values: list[float]) -> str:
     return "/".join(f"{v:.3f}" for v in (min(values), statistics.median(values), max(values)))
 
 
-def bench(size_mib: int, runs: int, directory: str, fns: dict[str, Callable[[dict, str], None]]) -> None:
+def measure(size_mib: int, runs: int, directory: str, fns: dict[str, Callable[[dict, str], None]]) -> list[dict]:
+    """One row per method: ``benchmark``, ``size_mib``, ``method``, ``baseline`` (``raw``), ``times`` (seconds per
+    run) and ``extra`` (None: memory is not measured here), plain data so ``python -m benchmarks`` can pass it
+    between processes."""
     state = make_state(size_mib)
     size = sum(t.numel() * 4 for t in state.values())
     times: dict[str, list[float]] = {m: [] for m in fns}
@@ -132,11 +137,36 @@ def bench(size_mib: int, runs: int, directory: str, fns: dict[str, Callable[[dic
                 if name.startswith("atomic_save"):
                     assert ranksafe.verify_file(path), name
                 os.unlink(path)
-    raw = statistics.median(times["raw"])
-    print(f"\n{size / (1 << 20):.0f} MiB state, {runs} runs each, interleaved")
+    return [
+        {
+            "benchmark": "save_path",
+            "size_mib": size / (1 << 20),
+            "method": name,
+            "baseline": "raw",
+            "times": values,
+            "extra": None,
+        }
+        for name, values in times.items()
+    ]
+
+
+def collect(sizes_mib: list[int], runs: int, directory: str | None = None) -> list[dict]:
+    """The default methods (no baseline revision, no parts) at every size, written in a temporary directory."""
+    work = tempfile.mkdtemp(prefix="save_path-", dir=directory or os.getcwd())
+    try:
+        return [row for size in sizes_mib for row in measure(size, runs, work, methods(None, False))]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def bench(size_mib: int, runs: int, directory: str, fns: dict[str, Callable[[dict, str], None]]) -> None:
+    rows = measure(size_mib, runs, directory, fns)
+    raw = statistics.median(rows[0]["times"])
+    print(f"\n{rows[0]['size_mib']:.0f} MiB state, {runs} runs each, interleaved")
     print(f"{'method':<28} {'seconds min/median/max':>24} {'median / raw':>13}")
-    for name, values in times.items():
-        print(f"{name:<28} {spread(values):>24} {statistics.median(values) / raw:>13.2f}")
+    for row in rows:
+        values = row["times"]
+        print(f"{row['method']:<28} {spread(values):>24} {statistics.median(values) / raw:>13.2f}")
 
 
 def main() -> None:
