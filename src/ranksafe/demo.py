@@ -83,7 +83,7 @@ def _worker(rank: int, world: int, port: int, root: str, rounds: int, queue: Any
         ranksafe.save(state, os.path.join(blocker, "model.pth"))
         failure = "no error"
     except ranksafe.RankFailure as e:
-        failure = f"{type(e).__name__} after {time.monotonic() - start:.3f}s: {e}"
+        failure = f"{type(e).__name__} after {time.monotonic() - start:.3f}s: {e.failures[0]}"
     report = {"rank": rank, "local_rank": ranksafe.local_rank(), "env_rank": os.environ.get("RANK")}
     queue.put({**report, "loss": loss.item(), "naive": naive, "ranksafe": safe, "failure": failure})
     dist.barrier()
