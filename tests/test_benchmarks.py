@@ -1,0 +1,51 @@
+"""``python -m benchmarks --quick`` runs every benchmark end to end and prints one markdown table with a row for
+every method and every baseline, numbers that parse, and a verdict for every target. No assertion on speed:
+the numbers are whatever this machine gives; only their shape and their arithmetic are checked."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from benchmarks.report import BENCHMARKS, HEADER, LABELS, TARGETS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _table(stdout: str) -> list[dict[str, str]]:
+    lines = [line for line in stdout.splitlines() if line.startswith("|")]
+    header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    assert tuple(header) == HEADER
+    assert set(lines[1].strip("|").split("|")) == {"---"}
+    return [dict(zip(header, (cell.strip() for cell in line.strip("|").split("|")), strict=True)) for line in lines[2:]]
+
+
+def test_quick_run_prints_every_method_with_parseable_numbers(tmp_path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "--dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = _table(done.stdout)
+    seen = {(row["benchmark"], row["method"]) for row in rows}
+    expected = {(BENCHMARKS[script], label) for (script, _), label in LABELS.items()}
+    assert seen == expected, done.stderr[-4000:]
+    assert len(rows) == len(expected)  # one size, so one row per method
+    for row in rows:
+        low, median, high = (float(row[c]) for c in ("min ms", "median ms", "max ms"))
+        assert 0 < low <= median <= high, row
+        ratio, worst = float(row["median / baseline"]), float(row["max / baseline"])
+        assert 0 < ratio <= worst, row
+        assert float(row["size MiB"]) >= 8
+        if row["extra RAM / size"] != "n/a":
+            float(row["extra RAM / size"])
+        if row["method"] == row["baseline"]:
+            assert row["median / baseline"] == "1.00", row
+    verdicts = [row["met"] for row in rows if row["target"]]
+    assert len(verdicts) == len(TARGETS)
+    assert all(v == "met" or v.startswith("missed: ") for v in verdicts), verdicts
+    assert not os.listdir(tmp_path)  # every script cleaned up what it wrote
