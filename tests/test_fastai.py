@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 import time
 
 import pytest
@@ -271,6 +272,19 @@ def _spawned_writers_and_readers(rank, root):
     learn.load_encoder("enc")
     out["encoder"] = encoder()
 
+    # load_pretrained: rank 0's language-model weights and vocabulary, read by every rank behind a barrier
+    learn.dls.vocab = [f"w{i}" for i in range(20)]
+    wgts, vocab = os.path.join(root, "lm.pth"), os.path.join(root, "lm_vocab.pkl")
+    whole = lambda: torch.cat([p.detach().flatten() for p in learn.model.parameters()]).tolist()  # noqa: E731
+    out["before_pretrained"] = whole()
+    ranksafe.save({k: v + 1 for k, v in learn.model.state_dict().items()}, wgts)  # rank 0 writes its own + 1
+    if rank == 0:
+        with ranksafe.atomic_write(vocab) as f:
+            pickle.dump(learn.dls.vocab, f)
+    learn.load_pretrained(wgts, vocab)
+    out["pretrained"] = whole()
+    out["pretrained_missing"] = _outcome(lambda: learn.load_pretrained(wgts, vocab + ".missing"))
+
     tab = _learner(os.path.join(root, "tab"), True)
     n = saves.n
     preds = os.path.join(root, "preds")
@@ -316,6 +330,12 @@ def test_spawned_without_rank_one_writer_shared_failures(tmp_path):
     assert (r0["encoder_saves"], r1["encoder_saves"]) == (1, 0)
     assert r0["encoder"] == r1["encoder"] == r0["differ_before"][0]
     assert os.listdir(tmp_path / "text" / "models") == ["enc.pth"]
+    # load_pretrained: both ranks hold rank 0's pretrained weights; a missing vocabulary fails both ranks
+    expected = [x + 1 for x in r0["before_pretrained"]]
+    assert r0["pretrained"] == pytest.approx(expected) and r1["pretrained"] == pytest.approx(expected)
+    for v in (r0, r1):
+        m = v["pretrained_missing"]
+        assert "RankFailure" in m["error"] and "FileNotFoundError" in m["error"] and m["ranks"] == [0, 1], m
     # get_preds(save_preds=...): 2 validation batches written once each
     assert (r0["preds"]["saves"], r1["preds"]["saves"]) == (2, 0) and r0["preds"]["files"] == ["0", "1"]
     # failures are raised on both ranks, fast, naming rank 0, as the built-in type too
