@@ -36,8 +36,8 @@ case "$job" in
   test)
     setup
     export PATH="$PWD/$VENV/bin:$PATH"
-    ruff check src tests nbs docs/_ext
-    ruff format --check src tests nbs docs/_ext
+    ruff check src tests nbs chaos benchmarks docs/_ext
+    ruff format --check src tests nbs chaos benchmarks docs/_ext
     # The docs site, strict: a broken link or cross-reference fails the run (docstrings: tests/test_docstrings.py).
     site=$(mktemp -d)
     trap 'rm -rf "$site"' EXIT
