@@ -32,7 +32,7 @@ import shutil
 import time
 import warnings
 import zlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -41,7 +41,7 @@ import torch
 from . import topology
 from .async_save import AsyncSaver
 from .collectives import exchange, share_outcome, together
-from .errors import CorruptCheckpoint, Failure, rank_failure
+from .errors import CorruptCheckpoint, Failure, RankFailure, rank_failure
 from .files import TMP_SUFFIX, _ChecksummingWriter, atomic_write, fsync_dir, load_file
 from .snapshot import StateDictLock
 from .storage import Placement, Storage, placement
@@ -527,15 +527,11 @@ class CheckpointManager:
                 verify_step(self.step_dir(step))
             except (CorruptCheckpoint, OSError) as e:
                 exc = e
-        me = None if exc is None else Failure.from_exception(topology.rank(), exc)
-        failures = exchange(f"checkpoint {step}: verify", me, _present, self.timeout)
-        if not failures:
-            return None
-        return exc if exc is not None and topology.world_size() == 1 else rank_failure(f"verify step {step}", failures)
-
-
-def _present(values: Iterable[Failure | None]) -> list[Failure]:
-    return [v for v in values if v is not None]
+        try:
+            share_outcome(f"checkpoint {step}: verify", exc, self.timeout, what=f"verify step {step}")
+        except (RankFailure, CorruptCheckpoint, OSError) as e:  # the original error in a single process
+            return e
+        return None
 
 
 def _newest_common(listings: list[list[int] | None]) -> list[int]:
