@@ -297,3 +297,32 @@ def test_interpreter_exit_waits_for_the_write_in_flight(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "exiting" in out.stdout
     assert torch.equal(load_file(path)["w"], torch.arange(10.0))
+
+
+def _two_savers(rank):
+    from ranksafe import collectives
+    from ranksafe.async_save import check_savers
+
+    a, b = AsyncSaver(writer="all"), AsyncSaver(writer="all")
+    check_savers([a, b], "two")  # warms up the session
+    before = collectives._session.seq
+    check_savers([a, b], "two")
+    quiet = collectives._session.seq - before
+
+    def fail(snapshot):
+        raise OSError(28, "No space left on device (second saver)")
+
+    if rank == 0:
+        b.submit({"w": torch.zeros(4)}, fail)
+        b.wait()
+    try:
+        check_savers([a, b], "two")
+    except ranksafe.RankFailure as e:
+        return {"quiet": quiet, "ranks": e.ranks, "os": isinstance(e, OSError), "msg": str(e)}
+    return {"quiet": quiet, "ranks": None}
+
+
+def test_check_savers_costs_one_exchange_and_reports_any_saver():
+    for v in run_ranks(_two_savers, 2).values:
+        assert v["quiet"] == 1
+        assert v["ranks"] == [0] and v["os"] and "second saver" in v["msg"]

@@ -19,7 +19,7 @@ import shutil
 import sys
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import torch
@@ -174,9 +174,13 @@ class AsyncSaver:
         A collective costing one exchange: cheap enough for every training step. Each failure is
         reported once. In a single process the original error is raised unchanged.
         """
+        check_savers([self], self.name)
+
+    def take_error(self) -> BaseException | None:
+        """This rank's unreported failure, now marked as reported; local. :func:`check_savers` shares it."""
         with self._error_lock:
             err, self._error = self._error, None
-        share_outcome(f"{self.name}: check", err)
+        return err
 
     def warmup(self, example_state: Any, directory: str | os.PathLike) -> None:
         """Allocate the staging buffers and try a write in ``directory`` before training; collective.
@@ -223,6 +227,20 @@ class AsyncSaver:
             self.close()
         else:  # already failing: do not add a collective other ranks may never reach
             self.wait()
+
+
+def check_savers(savers: Iterable[AsyncSaver], name: str = "async save") -> None:
+    """:meth:`AsyncSaver.check` for several savers at the price of one exchange; collective.
+
+    Raises :class:`~ranksafe.RankFailure` on every rank if a background write of any of them failed on any
+    rank. One failure per call is reported (the first saver's); another saver's stays pending for the next.
+    """
+    err = None
+    for saver in savers:
+        err = saver.take_error()
+        if err is not None:
+            break
+    share_outcome(f"{name}: check", err)
 
 
 @atexit.register

@@ -311,6 +311,11 @@ class CheckpointManager:
         return self._saver is not None
 
     @property
+    def saver(self) -> AsyncSaver | None:
+        """The background saver with ``async_save`` (for :func:`~ranksafe.async_save.check_savers`), else None."""
+        return self._saver
+
+    @property
     def placement(self) -> Placement:
         """Who writes under ``root`` (a collective the first time, with ``storage="auto"``)."""
         return placement(self.root, self.storage, self.timeout)

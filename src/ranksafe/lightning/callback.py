@@ -41,6 +41,7 @@ from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 
 from .. import topology
+from ..async_save import check_savers
 from ..checkpoint import STATE, CheckpointManager
 from ..collectives import abort, agree, broadcast, together
 from ..files import clean_orphans
@@ -288,11 +289,15 @@ class RankSafe(Callback):
         return wrap
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        """A background write that failed is raised on every rank now, not at the next save."""
-        if self._io is not None:
-            self._io.check()
+        """A background write that failed is raised on every rank now, not at the next save.
+
+        One exchange per step for the plugin's and the manager's savers together.
+        """
+        savers = [self._io.saver] if self._io is not None else []
         if self._async_manager:
-            self.manager.check()  # type: ignore[union-attr]
+            savers.append(self.manager.saver)  # type: ignore[union-attr]
+        if savers:
+            check_savers(savers, "RankSafe")
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Every ``every_n_epochs`` epochs, the Trainer's full checkpoint becomes a committed manager step."""
