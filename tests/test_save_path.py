@@ -179,6 +179,6 @@ def test_large_saves_start_writeback_and_non_files_are_fine(tmp_path, monkeypatc
     assert files.verify_file(tmp_path / "m.pt")
     sink = io.BytesIO()  # a stream without a file descriptor: checksummed, no writeback asked
     before = len(calls)
-    w = files._ChecksummingWriter(sink)
+    w = files.ChecksummingWriter(sink)
     torch.save(_state(), w)
     assert len(calls) == before and w.crc == zlib.crc32(sink.getvalue()) and w.length == len(sink.getvalue())

@@ -27,7 +27,7 @@ import torch
 from . import topology
 from .collectives import share_outcome, together
 from .files import atomic_save
-from .saving import Writer, _naming, is_writer
+from .saving import Writer, error_naming_target, is_writer
 from .snapshot import StagingBuffers, StateDictLock
 
 Policy = Literal["wait", "skip"]
@@ -111,7 +111,7 @@ class AsyncSaver:
                 os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
                 return atomic_save(snapshot, path, **torch_save_kwargs)
             except OSError as e:
-                raise _naming(e, "cannot save", path) from e
+                raise error_naming_target(e, "cannot save", path) from e
 
         return self.submit(state, write, on_commit)
 

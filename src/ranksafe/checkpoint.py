@@ -42,7 +42,7 @@ from . import topology
 from .async_save import AsyncSaver
 from .collectives import exchange, share_outcome, together
 from .errors import CorruptCheckpoint, Failure, RankFailure, rank_failure
-from .files import TMP_SUFFIX, _ChecksummingWriter, atomic_write, fsync_dir, load_file
+from .files import TMP_SUFFIX, ChecksummingWriter, atomic_write, fsync_dir, load_file
 from .snapshot import StateDictLock
 from .storage import Placement, Storage, placement
 
@@ -251,11 +251,11 @@ class StepWriter:
         path = self.file(name)
         raw = obj.encode() if isinstance(obj, str) else obj
         with atomic_write(path) as f:
-            whole = _ChecksummingWriter(f)
+            whole = ChecksummingWriter(f)
             if isinstance(raw, (bytes, bytearray, memoryview)):
                 whole.write(raw)
             else:  # torch.save + ranksafe footer, as files.atomic_save writes it
-                payload = _ChecksummingWriter(whole)
+                payload = ChecksummingWriter(whole)
                 torch.save(obj, payload)
                 whole.write(payload.footer())
         self.entries[name] = (whole.length, whole.crc)

@@ -141,7 +141,7 @@ def _start_writeback(fd: int, offset: int) -> None:
         _sync_file_range(fd, offset, 0, _SYNC_FILE_RANGE_WRITE)
 
 
-class _ChecksummingWriter:
+class ChecksummingWriter:
     """A write-only file wrapper that counts and CRCs every byte on its way to disk.
 
     Given a ``helper`` (one worker thread), a large write is hashed there *while* the caller writes it
@@ -336,7 +336,7 @@ def atomic_save(obj: Any, path: str | os.PathLike, **torch_save_kwargs: Any) -> 
     torch's own zip CRCs are skipped (the footer covers the same bytes, see :func:`_torch_zip_crc_off`).
     """
     with atomic_write(path) as f, _crc_helper() as helper, _torch_zip_crc_off() as restore:
-        w = _ChecksummingWriter(f, on_first_write=restore, helper=helper)
+        w = ChecksummingWriter(f, on_first_write=restore, helper=helper)
         try:
             torch.save(obj, w, **torch_save_kwargs)
         except Exception as e:

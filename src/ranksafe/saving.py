@@ -36,7 +36,7 @@ def _where(path: str) -> str:
     return f"{path} (rank {topology.rank()})"
 
 
-def _naming(e: OSError, action: str, path: str) -> OSError:
+def error_naming_target(e: OSError, action: str, path: str) -> OSError:
     """The same kind of OSError, with a message that names the target (not a temporary) and the rank."""
     msg = f"{action} {_where(path)}: {e.strerror or e}"
     return type(e)(e.errno, msg) if e.errno is not None else type(e)(msg)
@@ -56,7 +56,7 @@ def save(obj: Any, path: str | os.PathLike, writer: Writer = "main", **torch_sav
                 os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
                 atomic_save(obj, path, **torch_save_kwargs)
             except OSError as e:
-                raise _naming(e, "cannot save", path) from e
+                raise error_naming_target(e, "cannot save", path) from e
     return path
 
 
@@ -81,7 +81,7 @@ def load(
         try:
             result = load_file(path, map_location=map_location, weights_only=weights_only, verify=verify, **kw)
         except OSError as e:
-            raise _naming(e, "cannot load", path) from e
+            raise error_naming_target(e, "cannot load", path) from e
     return result
 
 

@@ -84,7 +84,7 @@ class FaultyIO(BaseIO):
 
 def _arm_kill(path: str) -> None:
     """SIGKILL this process from inside the checkpoint write, once 2 MiB of it went through the writer."""
-    write = ranksafe.files._ChecksummingWriter.write
+    write = ranksafe.files.ChecksummingWriter.write
 
     def write_then_die(self, data):
         n = write(self, data)
@@ -93,7 +93,7 @@ def _arm_kill(path: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         return n
 
-    ranksafe.files._ChecksummingWriter.write = write_then_die
+    ranksafe.files.ChecksummingWriter.write = write_then_die
 
 
 class Probe(pl.Callback):

@@ -37,7 +37,7 @@ from lightning.fabric.utilities.types import _PATH
 from .. import topology
 from ..async_save import AsyncSaver
 from ..files import atomic_save, load_file
-from ..saving import _naming
+from ..saving import error_naming_target
 from ..snapshot import StateDictLock
 
 _MapLocation = Callable | str | dict | None
@@ -162,7 +162,7 @@ class RankSafeCheckpointIO(CheckpointIO):
         try:
             atomic_save(checkpoint, path)
         except OSError as e:  # name the checkpoint, not the temporary file the error speaks of
-            raise _naming(e, "cannot save checkpoint", path) from e
+            raise error_naming_target(e, "cannot save checkpoint", path) from e
 
     def load_checkpoint(
         self,
