@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import threading
+import types
 
 import torch
 
@@ -71,6 +72,11 @@ def _snapshot_then_mutate(mgr: Gated, step: int) -> float:
     return mgr.load(step)["w"][0].item()
 
 
+def _live(state):
+    """A capture that copies nothing: the control for the snapshot."""
+    return types.SimpleNamespace(assemble=lambda: state)
+
+
 def _async_manager(rank, base):
     out = {}
     root = os.path.join(base, "ckpt")
@@ -79,7 +85,7 @@ def _async_manager(rank, base):
     mgr = Gated(root, keep=2, storage="shared", async_save=True)
     out["snapshot"] = _snapshot_then_mutate(mgr, 1)
     naive = Gated(os.path.join(base, "naive"), keep=2, storage="shared", async_save=True)
-    naive._saver.staging.take = lambda state: state  # the background thread writes the live tensors
+    naive._saver.staging.capture = _live  # the background thread writes the live tensors
     out["naive_snapshot"] = _snapshot_then_mutate(naive, 1)
     naive.close()
 

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import collections
+import itertools
+import os
 import threading
 import time
 
 import pytest
 import torch
 
-from ranksafe.snapshot import StagingBuffers, StateDictLock, _split, copy_bytes
+from ranksafe.snapshot import StagingBuffers, StateDictLock, chunk, copy_bytes, copy_chunks
 from tests.ranks import run_ranks
 
 # --------------------------------------------------------------------------------------------------- lock
@@ -266,18 +268,64 @@ def test_dtensor_snapshot_copies_the_local_shard_and_keeps_placements():
         assert v == expected
 
 
-def test_byte_ranges_split_over_threads_cover_every_byte_once():
+def test_byte_ranges_cut_into_chunks_cover_every_byte_once():
     src = torch.randint(0, 255, (3 * 1000 + 7,), dtype=torch.uint8)
     dst = torch.zeros_like(src)
-    sizes = [1000, 1, 2006]  # ranges cut at odd places across the three workers
+    sizes = [1000, 1, 2006]  # ranges cut at odd places
     segments, off = [], 0
     for n in sizes:
         segments.append((dst.data_ptr() + off, src.data_ptr() + off, n))
         off += n
-    parts = _split(segments, 3)
-    assert len(parts) == 3 and sum(n for p in parts for *_, n in p) == sum(sizes)
-    copy_bytes(segments, workers=3)
+    chunks = chunk(segments, workers=4, smallest=4096 + 700)  # 700 bytes per chunk besides the call itself
+    assert len(chunks) > 3 and sum(n for c in chunks for *_, n in c) == sum(sizes)
+    assert all(sum(n for *_, n in c) <= 700 for c in chunks)
+    covered = sorted((d - dst.data_ptr(), n) for c in chunks for d, _, n in c)
+    assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(covered))  # no gap, no overlap
+    copy_chunks(chunks, workers=1)
     assert torch.equal(dst[:off], src[:off]) and not dst[off:].any()
+
+
+def test_threaded_copy_moves_every_byte_and_leaves_no_thread():
+    src = torch.randint(0, 255, (40 << 20,), dtype=torch.uint8)  # above the threshold where helpers start
+    dst = torch.zeros_like(src)
+    cuts = [0, 1, 4097, 9 << 20, 9 << 20, 33 << 20, 40 << 20]  # includes an empty range
+    segments = [(dst.data_ptr() + a, src.data_ptr() + a, b - a) for a, b in itertools.pairwise(cuts)]
+    before = _os_threads()
+    copy_bytes(segments, workers=3)
+    assert torch.equal(dst, src)
+    assert _settles_to(before)
+
+
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _settles_to(count: int, within: float = 5.0) -> bool:
+    """Whether the process is back to ``count`` OS threads (a helper that lost the race exits on its own)."""
+    deadline = time.monotonic() + within
+    while _os_threads() != count:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_the_copy_plan_is_reused_only_while_every_tensor_stays_where_it_was():
+    staging = StagingBuffers()
+    state = {"a": torch.randn(1000), "b": torch.randn(10, 10)}
+    staging.take(state)
+    plan = staging._chunks
+    state = {k: v.detach() for k, v in state.items()}  # new tensor objects, same memory: as state_dict() gives
+    snap = staging.take(state)
+    assert staging._chunks is plan and all(torch.equal(snap[k], state[k]) for k in state)
+    # same dtype and shape, new memory: the buffers stay, the plan must not (it would copy the old bytes)
+    state["a"] = torch.randn(1000)
+    snap = staging.take(state)
+    assert staging._chunks is not plan and staging.allocations == 1 and torch.equal(snap["a"], state["a"])
+    # same memory, other strides (a transposed square): copied as a tensor, not as the old raw bytes
+    state["b"] = state["b"].t()
+    snap = staging.take(state)
+    assert torch.equal(snap["b"], state["b"])
 
 
 def test_a_large_snapshot_copies_every_kind_of_tensor_exactly():
@@ -293,3 +341,10 @@ def test_a_large_snapshot_copies_every_kind_of_tensor_exactly():
     snap = StagingBuffers().take(state)
     for k, v in state.items():
         assert snap[k].dtype == v.dtype and torch.equal(snap[k], v), k
+
+
+def test_chunks_shrink_towards_the_end_so_threads_finish_together():
+    sizes = [sum(n for *_, n in c) for c in chunk([(0, 0, 100 << 20)], workers=2, smallest=1 << 20)]
+    assert sum(sizes) == 100 << 20
+    assert sizes[0] <= (100 << 20) // 4 + 1  # half of one thread's fair share
+    assert sizes == sorted(sizes, reverse=True) and sizes[-1] <= 1 << 20

@@ -17,7 +17,7 @@ from .errors import (
 )
 from .files import atomic_save, atomic_write, load_file, verify_file
 from .saving import load, prepare_dir, save
-from .snapshot import StagingBuffers, StateDictLock
+from .snapshot import Captured, StagingBuffers, StateDictLock
 from .topology import is_local_main, is_main, local_rank, node_rank, rank, world_size
 
 __version__ = "0.1.0"
@@ -25,6 +25,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AsyncSaver",
     "BarrierTimeout",
+    "Captured",
     "CheckpointManager",
     "CollectiveMismatch",
     "CorruptCheckpoint",

@@ -28,7 +28,7 @@ from . import topology
 from .collectives import share_outcome, together
 from .files import atomic_save
 from .saving import Writer, error_naming_target, is_writer
-from .snapshot import StagingBuffers, StateDictLock
+from .snapshot import Captured, StagingBuffers, StateDictLock
 
 Policy = Literal["wait", "skip"]
 OnCommit = Callable[[Any], None]
@@ -130,23 +130,23 @@ class AsyncSaver:
                 self._thread.join()  # type: ignore[union-attr]
             try:
                 if self.lock is None:
-                    snapshot = self.staging.take(state)
+                    captured = self.staging.capture(state)
                 else:
                     with self.lock.read():
-                        snapshot = self.staging.take(state)
+                        captured = self.staging.capture(state)
             except Exception as e:  # reported on every rank by the next check(), like a failed write
                 self._record(e)
                 return False
             callbacks = [cb for cb in (self.on_commit, on_commit) if cb is not None]
             self._thread = threading.Thread(
-                target=self._write, args=(snapshot, write_fn, callbacks), name="ranksafe-async-save"
+                target=self._write, args=(captured, write_fn, callbacks), name="ranksafe-async-save"
             )
             self._thread.start()
             return True
 
-    def _write(self, snapshot: Any, write_fn: Callable[[Any], Any], callbacks: list[OnCommit]) -> None:
+    def _write(self, captured: Captured, write_fn: Callable[[Any], Any], callbacks: list[OnCommit]) -> None:
         try:
-            result = write_fn(snapshot)
+            result = write_fn(captured.assemble())  # assembled here: the caller is not kept waiting for it
             for cb in callbacks:
                 cb(result)
         except BaseException as e:
@@ -194,10 +194,10 @@ class AsyncSaver:
                 self.wait()
                 with self._submitting:
                     if self.lock is None:
-                        self.staging.take(example_state)
+                        self.staging.capture(example_state)
                     else:
                         with self.lock.read():
-                            self.staging.take(example_state)
+                            self.staging.capture(example_state)
                 try:
                     os.makedirs(directory, exist_ok=True)
                     probe = os.path.join(directory, f".ranksafe-warmup-{topology.rank()}")

@@ -14,9 +14,11 @@ Two pieces, both local (no collectives):
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import copy
 import ctypes
+import itertools
 import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -128,6 +130,10 @@ class StateDictLock:
 
 
 _PARALLEL_MIN = 16 << 20  # bytes; below this one thread copies everything (starting threads costs more)
+_CHUNK = 2 << 20  # bytes: the smallest unit of work handed to a copy thread
+_CALL_BYTES = 4096  # one memmove call costs about as much as copying this many bytes: weighs small tensors
+
+Segment = tuple[int, int, int]  # (dst address, src address, nbytes)
 
 
 def _plain_bytes(src: torch.Tensor) -> bool:
@@ -135,95 +141,204 @@ def _plain_bytes(src: torch.Tensor) -> bool:
     return src.device.type == "cpu" and src.is_contiguous() and not src.is_conj() and not src.is_neg()
 
 
-def _run(segments: list[tuple[int, int, int]]) -> None:
+def _run(segments: list[Segment]) -> None:
     for dst, src, n in segments:
         ctypes.memmove(dst, src, n)  # a C call: releases the GIL
 
 
-def _split(segments: list[tuple[int, int, int]], parts: int) -> list[list[tuple[int, int, int]]]:
-    """Cut the byte ranges into ``parts`` lists of about equal bytes, splitting a range where needed."""
-    share = -(-sum(n for _, _, n in segments) // parts)
-    out: list[list[tuple[int, int, int]]] = [[]]
-    room = share
+def chunk(segments: list[Segment], workers: int, smallest: int = _CHUNK) -> list[list[Segment]]:
+    """Cut byte ranges into units of work for ``workers`` threads, splitting a range where needed.
+
+    Guided sizes: each chunk is half the remaining work's fair share (but at least ``smallest`` bytes), so
+    the threads make few claims while the work is large, and finish together with small chunks at the end.
+    Each range also counts as :data:`_CALL_BYTES` of work, so a chunk of thousands of tiny tensors is not
+    ten times slower than a chunk of one large one.
+    """
+    left = sum(n + _CALL_BYTES for _, _, n in segments)
+    out: list[list[Segment]] = []
+    current: list[Segment] = []
+    room = max(smallest, left // (2 * max(workers, 1)))
     for dst, src, n in segments:
         while n:
-            take = min(n, room)
-            out[-1].append((dst, src, take))
-            dst, src, n, room = dst + take, src + take, n - take, room - take
-            if room == 0 and len(out) < parts:
-                out.append([])
-                room = share
+            take = min(n, max(room - _CALL_BYTES, 1))
+            current.append((dst, src, take))
+            dst, src, n = dst + take, src + take, n - take
+            room -= take + _CALL_BYTES
+            left -= take + (0 if n else _CALL_BYTES)
+            if room <= 0:
+                out.append(current)
+                current, room = [], max(smallest, left // (2 * max(workers, 1)))
+    if current:
+        out.append(current)
     return out
 
 
-def copy_bytes(segments: list[tuple[int, int, int]], workers: int) -> None:
-    """Copy ``(dst address, src address, nbytes)`` ranges, split evenly over ``workers`` threads.
+def copy_chunks(chunks: list[list[Segment]], workers: int) -> None:
+    """Copy the chunks with the calling thread and up to ``workers - 1`` helpers, each taking the next chunk.
 
-    One split per snapshot, not one per tensor: torch's ``copy_`` opens a parallel region per tensor, and
-    with a thousand tensors on a busy machine (data loader workers) each region waits for its slowest
-    thread; measured 5-10x slower than one large copy of the same bytes.
+    One share-out per snapshot, not one parallel region per tensor: torch's ``copy_`` opens a region per
+    tensor, and on a busy machine (data loader workers) each region waits for its slowest thread, measured
+    5-10x slower than this. Chunks are claimed, not pre-assigned, and the caller never waits for a helper
+    to *start* (a core may still be held by the intra-op threads of the last training op): a late helper
+    finds the work done and exits; the caller waits only for chunks a helper has claimed.
     """
-    if workers <= 1 or sum(n for _, _, n in segments) < _PARALLEL_MIN:
-        _run(segments)
+    if workers <= 1 or len(chunks) < 2 or sum(n for c in chunks for *_, n in c) < _PARALLEL_MIN:
+        for c in chunks:
+            _run(c)
         return
-    first, *rest = _split(segments, workers)
-    threads = [threading.Thread(target=_run, args=(part,), name="ranksafe-snapshot-copy") for part in rest]
-    for t in threads:
-        t.start()
-    _run(first)
-    for t in threads:
-        t.join()
+    claim, total = itertools.count().__next__, len(chunks)  # count's next() is atomic under the GIL
+    left = [total]
+    finished = threading.Condition()
+
+    def work() -> None:
+        while (i := claim()) < total:
+            _run(chunks[i])
+            with finished:
+                left[0] -= 1
+                if not left[0]:
+                    finished.notify_all()
+
+    for _ in range(min(workers, total) - 1):
+        _thread.start_new_thread(work, ())  # threading.Thread.start() would wait until the thread runs
+    work()
+    with finished:
+        finished.wait_for(lambda: not left[0])
+
+
+def copy_bytes(segments: list[Segment], workers: int) -> None:
+    """Copy ``(dst address, src address, nbytes)`` ranges over up to ``workers`` threads (see :func:`copy_chunks`)."""
+    copy_chunks(chunk(segments, workers), workers)
 
 
 def _is_dtensor(t: Any) -> bool:
     return DTensor is not None and isinstance(t, DTensor)
 
 
-def _stageable(t: Any) -> bool:
-    """A tensor whose values can go into a flat buffer: dense, not quantized, and not an unknown subclass."""
-    if not isinstance(t, torch.Tensor):
-        return False
-    if _is_dtensor(t):
-        t = t._local_tensor
-    elif type(t) not in (torch.Tensor, torch.nn.Parameter):
-        return False
-    return t.layout == torch.strided and not t.is_quantized and t.device.type != "meta"
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+# Immutable leaves: deepcopy would return them unchanged, at the price of a function call each.
+_ATOMS = frozenset({int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size})
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if _is_dtensor(t) else t
+class _Slot:
+    """Where the staged copy of tensor number ``index`` goes in a captured structure."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
 
 
-def _collect(obj: Any, out: dict[int, torch.Tensor]) -> None:
-    """Every stageable tensor in ``obj``, unique by identity (a tied weight is staged once), in walk order."""
-    if _stageable(obj):
-        out.setdefault(id(obj), obj)
-    elif isinstance(obj, Mapping):
-        for v in obj.values():
-            _collect(v, out)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _collect(v, out)
+class _Walk:
+    """One walk over the state: containers copied, leaves deep-copied, stageable tensors replaced by slots.
 
+    Tensors are collected unique by identity (a tied weight is staged once). ``originals`` are the tensors as
+    found (a Parameter, a DTensor), ``sources`` what is copied (a DTensor's local shard), ``clothes`` how the
+    staged copy is dressed again (Parameter's ``requires_grad`` or DTensor's spec, read now, not later), and
+    ``sig`` what decides the copy plan: dtype, shape, strides, address and flags of every source. The walk
+    is the one cost of a snapshot that grows with the number of tensors, so its hot path is inlined.
+    """
 
-def _rebuild(obj: Any, staged: dict[int, torch.Tensor], memo: dict) -> Any:
-    """``obj`` with each staged tensor replaced by its copy and everything else deep-copied."""
-    if id(obj) in staged:
-        return staged[id(obj)]
-    if isinstance(obj, Mapping):
-        try:
-            out = copy.copy(obj)  # keeps the mapping's type (OrderedDict, defaultdict) and attributes
+    def __init__(self, state: Any) -> None:
+        self.index: dict[int, int] = {}
+        self.originals: list[torch.Tensor] = []
+        self.sources: list[torch.Tensor] = []
+        self.sig: list[tuple] = []
+        self.clothes: dict[int, Any] = {}
+        self.memo: dict = {}
+        self.skeleton = self._walk(state)
+
+    def _add(self, t: torch.Tensor, local: torch.Tensor) -> _Slot:
+        i = self.index[id(t)] = len(self.originals)
+        self.originals.append(t)
+        self.sources.append(local)
+        self.sig.append(
+            (local.dtype, local.shape, local.stride(), local.data_ptr(), local.is_cpu, local.is_conj(), local.is_neg())
+        )
+        return _Slot(i)
+
+    def _tensor(self, t: torch.Tensor) -> Any:
+        i = self.index.get(id(t))
+        if i is not None:
+            return _Slot(i)
+        local = t._local_tensor if _is_dtensor(t) else t
+        if local is t and type(t) not in _PLAIN_TENSORS:
+            return copy.deepcopy(t, self.memo)  # an unknown tensor subclass: no flat buffer can hold it
+        if local.layout is not torch.strided or local.is_quantized or local.is_meta:
+            return copy.deepcopy(t, self.memo)
+        slot = self._add(t, local)
+        if local is not t:
+            self.clothes[slot.index] = t._spec
+        elif type(t) is not torch.Tensor:
+            self.clothes[slot.index] = t.requires_grad
+        return slot
+
+    def _walk(self, obj: Any) -> Any:
+        kind = type(obj)
+        if kind in _ATOMS:
+            return obj
+        if kind is dict:
+            walk, index, out = self._walk, self.index, {}
             for k, v in obj.items():
-                out[k] = _rebuild(v, staged, memo)
+                if type(v) is torch.Tensor and v.layout is torch.strided and not v.is_quantized and not v.is_meta:
+                    i = index.get(id(v))  # the common case, a plain tensor in a state dict, without a call
+                    out[k] = _Slot(i) if i is not None else self._add(v, v)
+                else:
+                    out[k] = walk(v)
             return out
-        except TypeError:  # an immutable mapping: copy it whole
-            return copy.deepcopy(obj, memo)
-    if isinstance(obj, list):
-        return [_rebuild(v, staged, memo) for v in obj]
+        if isinstance(obj, torch.Tensor):
+            return self._tensor(obj)
+        if kind is list:
+            return [self._walk(v) for v in obj]
+        if isinstance(obj, Mapping):
+            try:
+                out = copy.copy(obj)  # keeps the mapping's type (OrderedDict, defaultdict) and attributes
+                for k, v in obj.items():
+                    out[k] = self._walk(v)
+                return out
+            except TypeError:  # an immutable mapping: copy it whole
+                return copy.deepcopy(obj, self.memo)
+        if isinstance(obj, tuple):
+            items = [self._walk(v) for v in obj]
+            return kind(*items) if hasattr(obj, "_fields") else kind(items)
+        return copy.deepcopy(obj, self.memo)
+
+
+def _fill(obj: Any, staged: list[torch.Tensor]) -> Any:
+    """Put the staged tensors into the slots of a captured structure (its containers are ours to change)."""
+    kind = type(obj)
+    if kind is _Slot:
+        return staged[obj.index]
+    if isinstance(obj, (dict, list)) or (isinstance(obj, Mapping) and hasattr(obj, "__setitem__")):
+        for k, v in obj.items() if isinstance(obj, Mapping) else enumerate(obj):
+            if type(v) is _Slot or isinstance(v, (Mapping, list, tuple)):
+                obj[k] = _fill(v, staged)
+        return obj
     if isinstance(obj, tuple):
-        items = [_rebuild(v, staged, memo) for v in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    return copy.deepcopy(obj, memo)
+        items = [_fill(v, staged) for v in obj]
+        return kind(*items) if hasattr(obj, "_fields") else kind(items)
+    return obj
+
+
+def _dress(view: torch.Tensor, clothes: Any) -> torch.Tensor:
+    """The staged copy in the original's clothes: a DTensor keeps its spec, a Parameter stays one."""
+    if clothes is None:
+        return view
+    if isinstance(clothes, bool):
+        return torch.nn.Parameter(view, requires_grad=clothes)
+    return DTensor(view, clothes, requires_grad=False)
+
+
+class Captured:
+    """A snapshot as :meth:`StagingBuffers.capture` leaves it: the values are copied, the structure is not
+    assembled yet. :meth:`assemble` builds it; the background writer does that, off the caller's clock."""
+
+    def __init__(self, skeleton: Any, views: list[torch.Tensor], clothes: dict[int, Any]) -> None:
+        self._skeleton, self._views, self._clothes = skeleton, views, clothes
+
+    def assemble(self) -> Any:
+        """The captured structure holding the staged copies. Once: the skeleton is filled in place."""
+        staged = [_dress(v, self._clothes.get(i)) for i, v in enumerate(self._views)]
+        return _fill(self._skeleton, staged)
 
 
 class StagingBuffers:
@@ -231,13 +346,19 @@ class StagingBuffers:
 
     The layout is keyed by the structure (dtype, shape and device type of each tensor, in walk order); a
     snapshot of the same structure reuses the buffers, a changed structure frees them and allocates anew.
-    The returned snapshot's tensors are views into the buffers: they stay valid until the next
-    :meth:`take`, so the caller must not take a new snapshot while the previous one is being written.
+    The copy plan (which bytes go where) is kept too, keyed by every tensor's dtype, shape, strides and
+    address: saving the same model again costs one walk over the state and the copy, nothing else.
+    The snapshot's tensors are views into the buffers: they stay valid until the next capture, so the caller
+    must not take a new snapshot while the previous one is being written.
     """
 
     def __init__(self) -> None:
         self._key: tuple | None = None
         self._views: list[torch.Tensor] = []
+        self._sig: list | None = None
+        self._chunks: list[list[Segment]] = []  # the tensors copied as raw bytes, cut into units of work
+        self._others: list[int] = []  # tensors copied by torch (CUDA, strided, lazy conjugate)
+        self._workers = 1  # threads the chunks were cut for
         self.buffers: dict[tuple[torch.dtype, bool], torch.Tensor] = {}
         self.allocations = 0  # buffers allocated over this object's life: proves reuse in tests
 
@@ -246,7 +367,7 @@ class StagingBuffers:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())
 
     def _layout(self, tensors: list[torch.Tensor], key: tuple) -> None:
-        self.buffers, self._views, self._key = {}, [], None  # free the old buffers before allocating
+        self.buffers, self._views, self._key, self._sig = {}, [], None, None  # free the old buffers first
         pin = torch.cuda.is_available()
         sizes: dict[tuple[torch.dtype, bool], int] = {}
         for t in tensors:
@@ -261,37 +382,39 @@ class StagingBuffers:
             offsets[k] += t.numel()
         self._key = key
 
-    def take(self, state: Any) -> Any:
-        """Copy ``state`` into the buffers; return the same structure holding the copies."""
-        found: dict[int, torch.Tensor] = {}
-        _collect(state, found)
-        originals = list(found.values())
-        tensors = [_local(t) for t in originals]
+    def _plan(self, tensors: list[torch.Tensor], sig: list) -> None:
         key = tuple((t.dtype, tuple(t.shape), t.device.type) for t in tensors)
         if key != self._key:
             self._layout(tensors, key)
-        devices, segments = set(), []
+        segments, self._others = [], []
+        for i, (src, dst) in enumerate(zip(tensors, self._views, strict=True)):
+            if not _plain_bytes(src):
+                self._others.append(i)
+            elif src.numel():
+                segments.append((dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size()))
+        self._workers = torch.get_num_threads()
+        self._chunks = chunk(segments, self._workers)
+        self._sig = sig
+
+    def capture(self, state: Any) -> Captured:
+        """Copy every tensor of ``state`` into the buffers and deep-copy the rest, now; assemble later."""
+        walk = _Walk(state)
+        tensors = walk.sources
+        if walk.sig != self._sig or self._workers != torch.get_num_threads():
+            self._plan(tensors, walk.sig)
+        devices = set()
         with torch.no_grad():
-            for src, dst in zip(tensors, self._views, strict=True):
-                if _plain_bytes(src):
-                    if src.numel():
-                        segments.append((dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size()))
-                    continue
+            for i in self._others:
+                src = tensors[i]
                 cuda = src.device.type == "cuda"
-                dst.copy_(src, non_blocking=cuda)
+                self._views[i].copy_(src, non_blocking=cuda)
                 if cuda:
                     devices.add(src.device)
-        copy_bytes(segments, torch.get_num_threads())
+        copy_chunks(self._chunks, self._workers)
         for d in devices:  # one synchronisation per device for all the non-blocking copies
             torch.cuda.synchronize(d)
-        staged = {id(o): _wrap(o, v) for o, v in zip(originals, self._views, strict=True)}
-        return _rebuild(state, staged, {})
+        return Captured(walk.skeleton, self._views, walk.clothes)
 
-
-def _wrap(original: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
-    """The staged copy in the original's clothes: a DTensor keeps its spec, a Parameter stays one."""
-    if _is_dtensor(original):
-        return DTensor(view, original._spec, requires_grad=False)
-    if isinstance(original, torch.nn.Parameter):
-        return torch.nn.Parameter(view, requires_grad=original.requires_grad)
-    return view
+    def take(self, state: Any) -> Any:
+        """Copy ``state`` into the buffers; return the same structure holding the copies."""
+        return self.capture(state).assemble()
