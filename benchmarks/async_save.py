@@ -161,27 +161,31 @@ def run_methods(state: dict, reps: int, directory: str | None, only: list[str]) 
 
 
 def collect(sizes_mib: list[int], reps: int, directory: str | None = None) -> list[dict]:
-    """One row per method and size: ``benchmark``, ``size_mib``, ``method``, ``baseline`` (``floor``), ``times``
-    (seconds save() blocked, per rep), ``extra`` (peak extra RSS / state size; None where the peak cannot be
-    reset) and ``held`` (RSS left behind / state size); plain data so ``python -m benchmarks`` can pass it
-    between processes. A method that fails is reported on stderr and left out."""
+    """One row per state, method and size: ``benchmark`` (``async_save`` for 1,000 small tensors and large
+    ones, ``async_save_large`` for the large ones only: the cost that grows with the number of tensors shows as
+    the difference), ``size_mib``, ``method``, ``baseline`` (``floor``), ``times`` (seconds save() blocked, per
+    rep), ``extra`` (peak extra RSS / state size; None where the peak cannot be reset) and ``held`` (RSS left
+    behind / state size); plain data so ``python -m benchmarks`` can pass it between processes. A method that
+    fails is reported on stderr and left out."""
     rows = []
-    for size_mib in sizes_mib:
-        state = make_state(size_mib, 1000)
-        size = nbytes(state)
-        for name, (times, held, top) in run_methods(state, reps, directory, ["ranksafe", "lightning", "dcp"]).items():
-            rows.append(
-                {
-                    "benchmark": "async_save",
-                    "size_mib": size / MiB,
-                    "method": name,
-                    "baseline": "floor",
-                    "times": times,
-                    "extra": [top / size] if top is not None else None,
-                    "held": held / size,
-                }
-            )
-        del state
+    for benchmark, small in (("async_save", 1000), ("async_save_large", 0)):
+        for size_mib in sizes_mib:
+            state = make_state(size_mib, small)
+            size = nbytes(state)
+            methods = ["ranksafe", "lightning", "dcp"]
+            for name, (times, held, top) in run_methods(state, reps, directory, methods).items():
+                rows.append(
+                    {
+                        "benchmark": benchmark,
+                        "size_mib": size / MiB,
+                        "method": name,
+                        "baseline": "floor",
+                        "times": times,
+                        "extra": [top / size] if top is not None else None,
+                        "held": held / size,
+                    }
+                )
+            del state
     return rows
 
 
