@@ -182,7 +182,7 @@ def copy_chunks(chunks: list[list[Segment]], workers: int) -> None:
     to *start* (a core may still be held by the intra-op threads of the last training op): a late helper
     finds the work done and exits; the caller waits only for chunks a helper has claimed.
     """
-    if workers <= 1 or len(chunks) < 2 or sum(n for c in chunks for *_, n in c) < _PARALLEL_MIN:
+    if workers <= 1 or len(chunks) < 2:
         for c in chunks:
             _run(c)
         return
@@ -205,8 +205,14 @@ def copy_chunks(chunks: list[list[Segment]], workers: int) -> None:
         finished.wait_for(lambda: not left[0])
 
 
+def threads_for(segments: list[Segment], workers: int) -> int:
+    """How many threads should copy these ranges: one below :data:`_PARALLEL_MIN` bytes, else ``workers``."""
+    return workers if sum(n for *_, n in segments) >= _PARALLEL_MIN else 1
+
+
 def copy_bytes(segments: list[Segment], workers: int) -> None:
     """Copy ``(dst address, src address, nbytes)`` ranges over up to ``workers`` threads (see :func:`copy_chunks`)."""
+    workers = threads_for(segments, workers)
     copy_chunks(chunk(segments, workers), workers)
 
 
@@ -277,30 +283,30 @@ class _Walk:
         if kind in _ATOMS:
             return obj
         if kind is dict:
-            walk, index, out = self._walk, self.index, {}
-            for k, v in obj.items():
-                if type(v) is torch.Tensor and v.layout is torch.strided and not v.is_quantized and not v.is_meta:
-                    i = index.get(id(v))  # the common case, a plain tensor in a state dict, without a call
-                    out[k] = _Slot(i) if i is not None else self._add(v, v)
-                else:
-                    out[k] = walk(v)
-            return out
+            return self._mapping(obj, {})
         if isinstance(obj, torch.Tensor):
             return self._tensor(obj)
         if kind is list:
             return [self._walk(v) for v in obj]
         if isinstance(obj, Mapping):
-            try:
-                out = copy.copy(obj)  # keeps the mapping's type (OrderedDict, defaultdict) and attributes
-                for k, v in obj.items():
-                    out[k] = self._walk(v)
-                return out
+            try:  # copy.copy keeps the mapping's type (OrderedDict from state_dict(), defaultdict) and attributes
+                return self._mapping(obj, copy.copy(obj))
             except TypeError:  # an immutable mapping: copy it whole
                 return copy.deepcopy(obj, self.memo)
         if isinstance(obj, tuple):
             items = [self._walk(v) for v in obj]
             return kind(*items) if hasattr(obj, "_fields") else kind(items)
         return copy.deepcopy(obj, self.memo)
+
+    def _mapping(self, obj: Mapping, out: Any) -> Any:
+        walk, index = self._walk, self.index
+        for k, v in obj.items():
+            if type(v) is torch.Tensor and v.layout is torch.strided and not v.is_quantized and not v.is_meta:
+                i = index.get(id(v))  # the common case, a plain tensor in a state dict, without a call
+                out[k] = _Slot(i) if i is not None else self._add(v, v)
+            else:
+                out[k] = walk(v)
+        return out
 
 
 def _fill(obj: Any, staged: list[torch.Tensor]) -> Any:
@@ -358,6 +364,7 @@ class StagingBuffers:
         self._sig: list | None = None
         self._chunks: list[list[Segment]] = []  # the tensors copied as raw bytes, cut into units of work
         self._others: list[int] = []  # tensors copied by torch (CUDA, strided, lazy conjugate)
+        self._threads = 0  # torch's thread count when the plan was made: the plan follows set_num_threads
         self._workers = 1  # threads the chunks were cut for
         self.buffers: dict[tuple[torch.dtype, bool], torch.Tensor] = {}
         self.allocations = 0  # buffers allocated over this object's life: proves reuse in tests
@@ -392,7 +399,8 @@ class StagingBuffers:
                 self._others.append(i)
             elif src.numel():
                 segments.append((dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size()))
-        self._workers = torch.get_num_threads()
+        self._threads = torch.get_num_threads()
+        self._workers = threads_for(segments, self._threads)
         self._chunks = chunk(segments, self._workers)
         self._sig = sig
 
@@ -400,7 +408,7 @@ class StagingBuffers:
         """Copy every tensor of ``state`` into the buffers and deep-copy the rest, now; assemble later."""
         walk = _Walk(state)
         tensors = walk.sources
-        if walk.sig != self._sig or self._workers != torch.get_num_threads():
+        if walk.sig != self._sig or self._threads != torch.get_num_threads():
             self._plan(tensors, walk.sig)
         devices = set()
         with torch.no_grad():
