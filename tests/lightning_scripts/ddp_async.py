@@ -31,6 +31,7 @@ import torch  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 import ranksafe  # noqa: E402
+import ranksafe.files  # noqa: E402
 from ranksafe.lightning import RankSafe, RankSafeCheckpointIO  # noqa: E402
 
 CKPT_DIR = os.path.join(args.out, "ckpts")
@@ -40,10 +41,9 @@ events: list[dict] = []  # rank 0's plugin events, in order
 
 
 def record(name: str, **values) -> None:
-    tmp = os.path.join(args.out, f".{name}.tmp")
-    with open(tmp, "w") as f:
+    """What this rank saw, for the test to read: whole or absent, never half-written."""
+    with ranksafe.files.atomic_write(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(values, f)
-    os.replace(tmp, os.path.join(args.out, f"{name}.json"))
 
 
 class Model(pl.LightningModule):

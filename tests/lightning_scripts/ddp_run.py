@@ -40,10 +40,9 @@ CKPT_DIR = os.path.join(args.out, "ckpts")
 
 
 def record(name: str, **values) -> None:
-    tmp = os.path.join(args.out, f".{name}.tmp")
-    with open(tmp, "w") as f:
+    """What this rank saw, for the test to read: whole or absent, never half-written."""
+    with ranksafe.files.atomic_write(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(values, f)
-    os.replace(tmp, os.path.join(args.out, f"{name}.json"))
 
 
 class Model(pl.LightningModule):
