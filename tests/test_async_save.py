@@ -3,6 +3,7 @@ warm-up fails early everywhere, nothing leaks or is lost at exit."""
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -256,29 +257,45 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _ranksafe_threads() -> set[tuple[str, int]]:
+    return {(t.name, t.ident) for t in threading.enumerate() if t.name.startswith("ranksafe")}
+
+
+def _settle_parked_threads() -> None:
+    """Earlier tests' savers that were never closed stop their threads once collected: wait for that."""
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while _ranksafe_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _ranksafe_threads() == set(), "a saver that nobody refers to still has threads"
+
+
 def test_twenty_saves_grow_neither_memory_nor_threads(tmp_path):
-    state = {"model": {f"w{i}": torch.randn(256, 256) for i in range(64)}}  # 16 MiB
+    state = {"model": {f"w{i}": torch.randn(256, 256) for i in range(64)}}  # 16 MiB: the copy uses a helper
     saver = AsyncSaver()
     state["model"]["w0"].add_(0)  # torch starts its intra-op thread pool at the first parallel op: not ours
+    _settle_parked_threads()
     threads_before, os_threads_before = threading.active_count(), len(os.listdir("/proc/self/task"))
     saver.save(state, tmp_path / "0.pt")
     saver.wait()
     rss = _rss()
-    peak_threads = 0
+    parked = _ranksafe_threads()  # one writer, one copy helper: started once, parked between saves
+    assert sorted(name for name, _ in parked) == ["ranksafe-async-save", "ranksafe-copy"]
     for i in range(1, 21):
         saver.save(state, tmp_path / f"{i % 2}.pt")
-        peak_threads = max(peak_threads, threading.active_count())
+        assert _ranksafe_threads() == parked  # the same threads every time, none started per save
         state["model"]["w0"].add_(1)
     saver.close()
     growth = _rss() - rss
     assert saver.staging.allocations == 1
     assert growth < 4 << 20, f"resident memory grew by {growth / 2**20:.1f} MiB over 20 saves"
-    assert peak_threads <= threads_before + 1 and threading.active_count() == threads_before
-    # the copy helpers are plain OS threads that threading does not list: count those too
-    deadline = time.monotonic() + 5
-    while len(os.listdir("/proc/self/task")) != os_threads_before and time.monotonic() < deadline:
-        time.sleep(0.01)
+    # close() stops them: no thread is left, neither in threading's list nor among the OS threads
+    assert _ranksafe_threads() == set() and threading.active_count() == threads_before
     assert len(os.listdir("/proc/self/task")) == os_threads_before
+    saver.save(state, tmp_path / "again.pt")  # still usable: the threads start again
+    saver.close()
+    assert torch.equal(torch.load(tmp_path / "again.pt")["model"]["w0"], state["model"]["w0"])
+    assert _ranksafe_threads() == set()
 
 
 _EXIT_SCRIPT = """

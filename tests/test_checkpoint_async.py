@@ -25,12 +25,19 @@ _STEP = re.compile(r"^step_\d+$")
 
 
 class Gated(CheckpointManager):
-    """A manager whose writer-local commit waits for ``gate`` (when one is set) before it starts."""
+    """A manager whose writer-local commit waits for the ``gate`` set when its save was called (if any).
+
+    Bound at save time: the background commit of an earlier step may start after the test set a new gate.
+    """
 
     gate: threading.Event | None = None
 
+    def save(self, step, state, *args, **kwargs):
+        self._gates = {**getattr(self, "_gates", {}), step: self.gate}
+        return super().save(step, state, *args, **kwargs)
+
     def _commit(self, commit, tx, writer_files):
-        gate = self.gate
+        gate = self._gates.get(tx.step)
         if gate is not None:
             assert gate.wait(30), "gate never opened"
         return super()._commit(commit, tx, writer_files)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import gc
 import itertools
 import os
 import threading
@@ -11,7 +12,7 @@ import time
 import pytest
 import torch
 
-from ranksafe.snapshot import StagingBuffers, StateDictLock, chunk, copy_bytes, copy_chunks
+from ranksafe.snapshot import ParkedThreads, StagingBuffers, StateDictLock, chunk, copy_chunks
 from tests.ranks import run_ranks
 
 # --------------------------------------------------------------------------------------------------- lock
@@ -281,33 +282,48 @@ def test_byte_ranges_cut_into_chunks_cover_every_byte_once():
     assert all(sum(n for *_, n in c) <= 700 for c in chunks)
     covered = sorted((d - dst.data_ptr(), n) for c in chunks for d, _, n in c)
     assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(covered))  # no gap, no overlap
-    copy_chunks(chunks, workers=1)
+    copy_chunks(chunks, 1, ParkedThreads("unused"))
     assert torch.equal(dst[:off], src[:off]) and not dst[off:].any()
 
 
-def test_threaded_copy_moves_every_byte_and_leaves_no_thread():
-    src = torch.randint(0, 255, (40 << 20,), dtype=torch.uint8)  # above the threshold where helpers start
-    dst = torch.zeros_like(src)
+def _copy_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "ranksafe-copy"]
+
+
+def test_threaded_copy_moves_every_byte_with_parked_helpers_that_shutdown_stops():
+    src = torch.randint(0, 255, (40 << 20,), dtype=torch.uint8)
     cuts = [0, 1, 4097, 9 << 20, 9 << 20, 33 << 20, 40 << 20]  # includes an empty range
-    segments = [(dst.data_ptr() + a, src.data_ptr() + a, b - a) for a, b in itertools.pairwise(cuts)]
+    helpers = ParkedThreads("ranksafe-copy")
+    torch.zeros_like(src)  # torch's intra-op pool starts at its first parallel op: count threads after that
     before = _os_threads()
-    copy_bytes(segments, workers=3)
-    assert _settles_to(before)  # before any torch op that may start torch's own thread pool
-    assert torch.equal(dst, src)
+    started = []
+    for _ in range(3):
+        dst = torch.zeros_like(src)
+        segments = [(dst.data_ptr() + a, src.data_ptr() + a, b - a) for a, b in itertools.pairwise(cuts)]
+        copy_chunks(chunk(segments, workers=3), 3, helpers)
+        assert torch.equal(dst, src)
+        started.append({t.ident for t in _copy_threads()})
+    assert len(started[0]) == 2 and started[0] == started[1] == started[2]  # the same two helpers, parked
+    assert _os_threads() == before + 2
+    helpers.shutdown()
+    assert _copy_threads() == [] and _os_threads() == before
+
+
+def test_parked_threads_stop_when_their_owner_is_collected():
+    helpers = ParkedThreads("ranksafe-copy")
+    done = threading.Event()
+    helpers.hand(done.set)
+    assert done.wait(5) and len(_copy_threads()) == 1
+    del helpers
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while _copy_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _copy_threads() == []
 
 
 def _os_threads() -> int:
     return len(os.listdir("/proc/self/task"))
-
-
-def _settles_to(count: int, within: float = 5.0) -> bool:
-    """Whether the process is back to ``count`` OS threads (a helper that lost the race exits on its own)."""
-    deadline = time.monotonic() + within
-    while _os_threads() != count:
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def test_the_copy_plan_is_reused_only_while_every_tensor_stays_where_it_was():
@@ -341,6 +357,20 @@ def test_a_large_snapshot_copies_every_kind_of_tensor_exactly():
     snap = StagingBuffers().take(state)
     for k, v in state.items():
         assert snap[k].dtype == v.dtype and torch.equal(snap[k], v), k
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch deprecates quantized tensors and TypedStorage
+def test_tensors_no_flat_buffer_can_hold_are_deep_copied_beside_staged_ones():
+    q = torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)
+    state = {"q": q, "meta": torch.empty(3, device="meta"), "sparse": torch.randn(3, 3).to_sparse(), "w": torch.ones(2)}
+    staging = StagingBuffers()
+    snap = staging.take(state)
+    assert snap["q"].is_quantized and snap["q"] is not q and torch.equal(snap["q"].dequantize(), q.dequantize())
+    assert snap["meta"].is_meta and snap["meta"].shape == (3,)
+    assert snap["sparse"].is_sparse and torch.equal(snap["sparse"].to_dense(), state["sparse"].to_dense())
+    assert staging.nbytes == 2 * 4  # only the plain tensor went to a buffer
+    state["sparse"].values()[0] = 100.0  # a later change does not reach the snapshot
+    assert snap["sparse"].values()[0] != 100.0
 
 
 def test_chunks_shrink_towards_the_end_so_threads_finish_together():

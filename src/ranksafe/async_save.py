@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import errno
+import functools
 import os
 import shutil
 import sys
@@ -28,7 +29,7 @@ from . import topology
 from .collectives import share_outcome, together
 from .files import atomic_save
 from .saving import Writer, error_naming_target, is_writer
-from .snapshot import Captured, StagingBuffers, StateDictLock
+from .snapshot import Captured, ParkedThreads, StagingBuffers, StateDictLock
 
 Policy = Literal["wait", "skip"]
 OnCommit = Callable[[Any], None]
@@ -53,8 +54,12 @@ class AsyncSaver:
             rank may call :meth:`save`; on the others it does nothing.
         name: names the collectives of this saver (every rank must use the same).
 
-    Local calls (any rank, any time): :meth:`save`, :meth:`submit`, :meth:`wait`, :attr:`failed`.
-    Collectives (every rank, same order): :meth:`warmup`, :meth:`check`, :meth:`close`.
+    Local calls (any rank, any time): :meth:`save`, :meth:`submit`, :meth:`wait`, :meth:`shutdown`,
+    :attr:`failed`. Collectives (every rank, same order): :meth:`warmup`, :meth:`check`, :meth:`close`.
+
+    Threads: one writer and the snapshot's copy helpers, started by :meth:`warmup` or the first save and
+    parked between saves (starting a thread per save costs the caller more than the copy it helps with);
+    :meth:`close` or :meth:`shutdown` stops them, and a later save starts them again.
     """
 
     def __init__(
@@ -74,7 +79,9 @@ class AsyncSaver:
         self.writer = writer
         self.name = name
         self.staging = StagingBuffers()
-        self._thread: threading.Thread | None = None
+        self._worker = ParkedThreads("ranksafe-async-save")
+        self._idle = threading.Event()  # set while no write is queued or running
+        self._idle.set()
         self._error: BaseException | None = None
         self._submitting = threading.Lock()  # one snapshot at a time, whatever the calling thread
         self._error_lock = threading.Lock()  # the writer thread records, check() takes: never lose one
@@ -94,8 +101,7 @@ class AsyncSaver:
     @property
     def in_flight(self) -> bool:
         """Whether a write is running now."""
-        t = self._thread
-        return t is not None and t.is_alive()
+        return not self._idle.is_set()
 
     def save(self, state: Any, path: str | os.PathLike, on_commit: OnCommit | None = None, **torch_save_kwargs) -> bool:
         """Snapshot ``state`` and write it to ``path`` in the background, atomically. Local.
@@ -127,7 +133,7 @@ class AsyncSaver:
             if self.in_flight:
                 if self.policy == "skip":
                     return False
-                self._thread.join()  # type: ignore[union-attr]
+                self._idle.wait()
             try:
                 if self.lock is None:
                     captured = self.staging.capture(state)
@@ -138,10 +144,8 @@ class AsyncSaver:
                 self._record(e)
                 return False
             callbacks = [cb for cb in (self.on_commit, on_commit) if cb is not None]
-            self._thread = threading.Thread(
-                target=self._write, args=(captured, write_fn, callbacks), name="ranksafe-async-save"
-            )
-            self._thread.start()
+            self._idle.clear()
+            self._worker.hand(functools.partial(self._write, captured, write_fn, callbacks))
             return True
 
     def _write(self, captured: Captured, write_fn: Callable[[Any], Any], callbacks: list[OnCommit]) -> None:
@@ -151,6 +155,8 @@ class AsyncSaver:
                 cb(result)
         except BaseException as e:
             self._record(e)
+        finally:
+            self._idle.set()
 
     def _record(self, e: BaseException) -> None:
         with self._error_lock:
@@ -162,10 +168,13 @@ class AsyncSaver:
 
         Never raises the write's error: that is :meth:`check`'s job, on every rank at once.
         """
-        t = self._thread
-        if t is not None:
-            t.join(timeout)
-        return not self.in_flight
+        return self._idle.wait(timeout)
+
+    def shutdown(self) -> None:
+        """Wait for the write in flight, then stop this saver's threads; local. The saver stays usable."""
+        self.wait()
+        self._worker.shutdown()
+        self.staging.shutdown()
 
     # -- collectives ---------------------------------------------------------------------------------
     def check(self) -> None:
@@ -192,6 +201,7 @@ class AsyncSaver:
         with together(f"{self.name}: warmup {directory}"):
             if is_writer(self.writer):
                 self.wait()
+                self._worker.start(1)  # the first save does not pay for starting the writer thread
                 with self._submitting:
                     if self.lock is None:
                         self.staging.capture(example_state)
@@ -215,8 +225,9 @@ class AsyncSaver:
                     )
 
     def close(self) -> None:
-        """Wait for the write in flight, then :meth:`check`; collective. Call it at the end of training."""
-        self.wait()
+        """Wait for the write in flight, stop the threads, then :meth:`check`; collective. Call it at the end
+        of training. The saver stays usable: a later save starts its threads again."""
+        self.shutdown()
         self.check()
 
     def __enter__(self) -> AsyncSaver:
@@ -226,7 +237,7 @@ class AsyncSaver:
         if exc is None:
             self.close()
         else:  # already failing: do not add a collective other ranks may never reach
-            self.wait()
+            self.shutdown()
 
 
 def check_savers(savers: Iterable[AsyncSaver], name: str = "async save") -> None:
@@ -245,7 +256,10 @@ def check_savers(savers: Iterable[AsyncSaver], name: str = "async save") -> None
 
 @atexit.register
 def _wait_at_exit() -> None:
-    """No checkpoint in flight is lost when the interpreter exits; an unreported failure is printed."""
+    """No checkpoint in flight is lost when the interpreter exits; an unreported failure is printed.
+
+    Registered after (so run before) :mod:`ranksafe.snapshot`'s exit hook, which then stops the idle threads.
+    """
     for saver in list(_live):
         saver.wait()
         if saver.failed:

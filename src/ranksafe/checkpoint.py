@@ -269,8 +269,8 @@ def _shard(rank: int) -> str:
 class CheckpointManager:
     """Numbered checkpoints under ``root``: atomic step directories, agreed ``latest``, verified load, retention.
 
-    Every method is a collective (all ranks call it, in the same order), except :meth:`wait` and
-    :meth:`step_dir`. ``storage``: ``auto`` probes once whether ``root`` is shared or node-local
+    Every method is a collective (all ranks call it, in the same order), except :meth:`wait`,
+    :meth:`shutdown` and :meth:`step_dir`. ``storage``: ``auto`` probes once whether ``root`` is shared or node-local
     (:mod:`ranksafe.storage`); ``shared`` / ``local`` say so. ``keep``: committed steps to keep (``None``:
     all); only writers delete, never the newest committed step or one being loaded, and never before the
     new step is committed.
@@ -504,6 +504,11 @@ class CheckpointManager:
         """
         return True if self._saver is None else self._saver.wait(timeout)
 
+    def shutdown(self) -> None:
+        """Wait for this rank's background commit, then stop the saver's threads; local. Stays usable."""
+        if self._saver is not None:
+            self._saver.shutdown()
+
     def check(self) -> None:
         """Raise :class:`~ranksafe.RankFailure` on every rank if a background commit failed on any rank.
 
@@ -521,7 +526,7 @@ class CheckpointManager:
 
         Afterwards no thread of this manager is running. The manager stays usable.
         """
-        self.wait()
+        self.shutdown()
         self.check()
 
     def _verify(self, step: int) -> BaseException | None:

@@ -335,4 +335,4 @@ class RankSafe(Callback):
         """``fit`` raised: no lock stays held, no write stays in flight (local; the ranks are failing)."""
         if self._active:
             self._end_fit()
-            self._manager.wait()
+            self._manager.shutdown()

@@ -317,7 +317,7 @@ class RankSafe(Callback):
         """A rank failing alone stops the others at their current or next ranksafe collective, at once."""
         abort(exception)
         if self.manager is not None:
-            self.manager.wait()  # a step being committed in the background is not lost
+            self.manager.shutdown()  # a step being committed in the background is not lost; no thread stays
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """ModelCheckpoint resolved its directory in its own ``setup``: prepare it now, before the first save."""

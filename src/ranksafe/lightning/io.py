@@ -222,7 +222,8 @@ class RankSafeCheckpointIO(CheckpointIO):
         host a collective: the RankSafe callback checks the outcome at ``on_fit_end``. Without that callback
         a background failure is raised here, on the writing rank.
         """
-        self.wait()
+        if self._saver is not None:
+            self._saver.shutdown()
         self._torn_down = True
         if self.async_save and not self._agreed_check and self._saver is not None and self._saver.failed:
             if topology.world_size() == 1:
