@@ -6,9 +6,11 @@ Side by side, in one process and one run:
   lightning    AsyncCheckpointIO(TorchCheckpointIO()).save_checkpoint (clones every tensor on each save)
   dcp          torch.distributed.checkpoint.async_save (1-rank gloo group if it needs one)
 
-Each method is timed over --reps saves (min / median / max of the time save() blocks the caller; the
-background write is waited for between reps and not counted), then its extra resident memory is reported:
-the RSS it leaves behind and its peak over the reps, both above the RSS before it started.
+Each method saves once untimed, for its extra resident memory (the RSS it holds afterwards and its peak,
+both above the RSS before it was set up). Then --reps rounds time every method once each, in turn (min /
+median / max of the time save() blocks the caller; the background write is waited for after each save and
+not counted). Each timed call, the floor's included, follows 30 ms of matrix products standing in for the
+training step a checkpoint follows, so a slow spell of the machine hits all methods alike.
 
     python benchmarks/async_save.py --size-mib 100
     python benchmarks/async_save.py --size-mib 1024 --reps 5
@@ -17,6 +19,7 @@ the RSS it leaves behind and its peak over the reps, both above the RSS before i
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -30,6 +33,8 @@ import torch
 from ranksafe.async_save import AsyncSaver
 
 MiB = 1 << 20
+SETTLE = 0.05  # seconds after the previous background write, before the training step
+STEP = 0.03  # seconds of the stand-in training step right before each timed save
 
 
 def make_state(size_mib: int, small: int) -> dict:
@@ -70,37 +75,45 @@ def peak() -> int:
     return 0
 
 
-def timed(reps: int, save: Callable[[int], None], finish: Callable[[], None]) -> tuple[list[float], int, int | None]:
-    """Blocked seconds per rep, RSS left behind, and peak RSS, both relative to before the first rep."""
-    base = rss()
-    can_peak = reset_peak()
-    out = []
-    for rep in range(reps):
-        start = time.perf_counter()
-        save(rep)
-        out.append(time.perf_counter() - start)
-        finish()
-    return out, rss() - base, (peak() - base if can_peak else None)
+class Method:
+    """One way to save: ``save(rep)`` is timed (the caller is blocked for it), ``finish()`` waits for the
+    background write and is not, ``close()`` releases what the method holds."""
+
+    def __init__(self, save: Callable[[int], None], finish: Callable[[], None], close: Callable[[], None]) -> None:
+        self.save, self.finish, self.close = save, finish, close
 
 
-def bench_floor(state: dict, reps: int) -> tuple[list[float], int, int | None]:
+def floor_copy(state: dict, directory: str) -> Method:
+    """The floor: one copy of the same bytes into a buffer allocated (and its pages touched) beforehand."""
     src = torch.cat([t.flatten() for t in state["model"].values()])
     dst = torch.empty_like(src)
-    dst.copy_(src)  # touch the pages: the floor must not pay first-touch faults
-    return timed(reps, lambda _: dst.copy_(src), lambda: None)
+    dst.copy_(src)
+    return Method(lambda _: dst.copy_(src), lambda: None, lambda: None)
 
 
-def bench_ranksafe(state: dict, reps: int, directory: str) -> tuple[list[float], int, int | None]:
+class TrainingStep:
+    """What runs before every timed save: matrix products for :data:`STEP` seconds, standing in for the step a
+    checkpoint follows in training. Every method, the floor included, starts with torch's threads busy and the
+    CPU clocked up, as after a real step, not from an idle machine (here an idle vCPU made any copy 1.5x
+    slower, and by how much varied from one save to the next)."""
+
+    def __init__(self) -> None:
+        self.a, self.b = torch.randn(512, 512), torch.randn(512, 512)
+
+    def __call__(self) -> None:
+        end = time.perf_counter() + STEP
+        while time.perf_counter() < end:
+            torch.mm(self.a, self.b)
+
+
+def ranksafe_saver(state: dict, directory: str) -> Method:
     saver = AsyncSaver()
-    base = rss()
-    saver.warmup(state, directory)  # allocates the staging buffers: counted in the memory below
-    times, _, _ = timed(reps, lambda r: saver.save(state, os.path.join(directory, "ranksafe.pt")), saver.wait)
-    saver.close()
-    held, top = rss() - base, peak() - base
-    return times, held, top
+    saver.warmup(state, directory)  # allocates the staging buffers and starts the threads, as training would
+    path = os.path.join(directory, "ranksafe.pt")
+    return Method(lambda _: saver.save(state, path), saver.wait, saver.close)
 
 
-def bench_lightning(state: dict, reps: int, directory: str) -> tuple[list[float], int, int | None]:
+def lightning_io(state: dict, directory: str) -> Method:
     from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 
     io = AsyncCheckpointIO(TorchCheckpointIO())
@@ -109,12 +122,10 @@ def bench_lightning(state: dict, reps: int, directory: str) -> tuple[list[float]
     def finish() -> None:
         io._executor.submit(lambda: None).result()  # the single worker has finished the write before it
 
-    result = timed(reps, lambda _: io.save_checkpoint(state, path), finish)
-    io.teardown()
-    return result
+    return Method(lambda _: io.save_checkpoint(state, path), finish, io.teardown)
 
 
-def bench_dcp(state: dict, reps: int, directory: str) -> tuple[list[float], int, int | None]:
+def dcp_async(state: dict, directory: str) -> Method:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -130,7 +141,56 @@ def bench_dcp(state: dict, reps: int, directory: str) -> tuple[list[float], int,
     def finish() -> None:
         pending.pop().result()
 
-    return timed(reps, save, finish)
+    return Method(save, finish, lambda: None)
+
+
+Result = tuple[list[float], int, int | None]
+
+
+def run_methods(state: dict, reps: int, directory: str | None, only: list[str]) -> dict[str, Result]:
+    """Blocked seconds per rep, and RSS held and peak RSS (bytes above the RSS before the method was set up);
+    the floor always runs, as every ratio needs it.
+
+    Two phases. Memory: each method in turn is set up and saves once (untimed), so its held and peak RSS are
+    its own. Time: ``reps`` rounds, each timing every method once, in turn, :data:`SETTLE` seconds after the
+    previous method's background write finished (what one method leaves running, a pool freeing its copies,
+    does not land on the next one's clock) and right after a :class:`TrainingStep`. A slow spell of a shared
+    machine hits all methods alike.
+    """
+    makers = {"floor": floor_copy, "ranksafe": ranksafe_saver, "lightning": lightning_io, "dcp": dcp_async}
+    names = ["floor", *(n for n in makers if n != "floor" and n in only)]
+    methods: dict[str, Method] = {}
+    memory: dict[str, tuple[int, int | None]] = {}
+    times: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory(dir=directory) as work:
+        try:
+            for name in names:
+                base = rss()
+                can_peak = reset_peak()
+                try:
+                    m = makers[name](state, work)
+                    m.save(-1)
+                    m.finish()
+                except Exception as e:  # a baseline that cannot run here is reported, not fatal
+                    print(f"{name}: could not run: {type(e).__name__}: {e}", file=sys.stderr)
+                    continue
+                methods[name] = m
+                memory[name] = rss() - base, (peak() - base if can_peak else None)
+                times[name] = []
+            step = TrainingStep()
+            for rep in range(reps):
+                for name, m in methods.items():
+                    gc.collect()  # the garbage of the method before (DCP leaves thousands of objects) is not ours
+                    time.sleep(SETTLE)
+                    step()
+                    start = time.perf_counter()
+                    m.save(rep)
+                    times[name].append(time.perf_counter() - start)
+                    m.finish()
+        finally:
+            for m in methods.values():
+                m.close()
+    return {name: (times[name], *memory[name]) for name in methods}
 
 
 def row(name: str, times: list[float], floor: float, held: int, top: int | None) -> str:
@@ -141,23 +201,6 @@ def row(name: str, times: list[float], floor: float, held: int, top: int | None)
         f"{name:10s} {min(ms):8.1f} {statistics.median(ms):8.1f} {max(ms):8.1f}   "
         f"{med / floor:6.2f}x {max(times) / floor:6.2f}x   {held / MiB:8.0f} {top_text}"
     )
-
-
-Result = tuple[list[float], int, int | None]
-
-
-def run_methods(state: dict, reps: int, directory: str | None, only: list[str]) -> dict[str, Result]:
-    """Blocked seconds, held bytes and peak bytes per method; the floor always runs, as every ratio needs it."""
-    with tempfile.TemporaryDirectory(dir=directory) as work:
-        results = {"floor": bench_floor(state, reps)}
-        benches = {"ranksafe": bench_ranksafe, "lightning": bench_lightning, "dcp": bench_dcp}
-        for name, fn in benches.items():
-            if name in only:
-                try:
-                    results[name] = fn(state, reps, work)
-                except Exception as e:  # a baseline that cannot run here is reported, not fatal
-                    print(f"{name}: could not run: {type(e).__name__}: {e}", file=sys.stderr)
-    return results
 
 
 def collect(sizes_mib: list[int], reps: int, directory: str | None = None) -> list[dict]:

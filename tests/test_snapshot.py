@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import collections
-import gc
-import itertools
-import os
 import threading
 import time
 
 import pytest
 import torch
 
-from ranksafe.snapshot import ParkedThreads, StagingBuffers, StateDictLock, chunk, copy_chunks
+from ranksafe.snapshot import _GRAIN, StagingBuffers, StateDictLock, copy_small
 from tests.ranks import run_ranks
 
 # --------------------------------------------------------------------------------------------------- lock
@@ -269,75 +266,43 @@ def test_dtensor_snapshot_copies_the_local_shard_and_keeps_placements():
         assert v == expected
 
 
-def test_byte_ranges_cut_into_chunks_cover_every_byte_once():
+def test_small_copies_move_exactly_their_byte_ranges():
     src = torch.randint(0, 255, (3 * 1000 + 7,), dtype=torch.uint8)
     dst = torch.zeros_like(src)
-    sizes = [1000, 1, 2006]  # ranges cut at odd places
+    sizes = [1000, 1, 2006, 0]  # ranges cut at odd places, and an empty one
     segments, off = [], 0
     for n in sizes:
         segments.append((dst.data_ptr() + off, src.data_ptr() + off, n))
         off += n
-    chunks = chunk(segments, workers=4, smallest=4096 + 700)  # 700 bytes per chunk besides the call itself
-    assert len(chunks) > 3 and sum(n for c in chunks for *_, n in c) == sum(sizes)
-    assert all(sum(n for *_, n in c) <= 700 for c in chunks)
-    covered = sorted((d - dst.data_ptr(), n) for c in chunks for d, _, n in c)
-    assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(covered))  # no gap, no overlap
-    copy_chunks(chunks, 1, ParkedThreads("unused"))
+    copy_small(segments)
     assert torch.equal(dst[:off], src[:off]) and not dst[off:].any()
 
 
-def _copy_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == "ranksafe-copy"]
-
-
-def test_threaded_copy_moves_every_byte_with_parked_helpers_that_shutdown_stops():
-    src = torch.randint(0, 255, (40 << 20,), dtype=torch.uint8)
-    cuts = [0, 1, 4097, 9 << 20, 9 << 20, 33 << 20, 40 << 20]  # includes an empty range
-    helpers = ParkedThreads("ranksafe-copy")
-    torch.zeros_like(src)  # torch's intra-op pool starts at its first parallel op: count threads after that
-    before = _os_threads()
-    started = []
-    for _ in range(3):
-        dst = torch.zeros_like(src)
-        segments = [(dst.data_ptr() + a, src.data_ptr() + a, b - a) for a, b in itertools.pairwise(cuts)]
-        copy_chunks(chunk(segments, workers=3), 3, helpers)
-        assert torch.equal(dst, src)
-        started.append({t.ident for t in _copy_threads()})
-    assert len(started[0]) == 2 and started[0] == started[1] == started[2]  # the same two helpers, parked
-    assert _os_threads() == before + 2
-    helpers.shutdown()
-    assert _copy_threads() == [] and _os_threads() == before
-
-
-def test_parked_threads_stop_when_their_owner_is_collected():
-    helpers = ParkedThreads("ranksafe-copy")
-    done = threading.Event()
-    helpers.hand(done.set)
-    assert done.wait(5) and len(_copy_threads()) == 1
-    del helpers
-    gc.collect()
-    deadline = time.monotonic() + 5
-    while _copy_threads() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert _copy_threads() == []
-
-
-def _os_threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+def test_large_tensors_go_to_torch_in_one_call_and_small_ones_are_copied_directly(monkeypatch):
+    calls = []
+    real = torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda dst, src: (calls.append(len(src)), real(dst, src)))
+    state = {f"big{i}": torch.randn(_GRAIN + i) for i in range(3)} | {f"small{i}": torch.randn(10) for i in range(5)}
+    staging = StagingBuffers()
+    for _ in range(2):
+        snap = staging.take(state)
+        assert all(torch.equal(snap[k], v) for k, v in state.items())
+    assert calls == [3, 3]  # one call per capture, for the three large tensors only
+    assert len(staging._small) == 5
 
 
 def test_the_copy_plan_is_reused_only_while_every_tensor_stays_where_it_was():
     staging = StagingBuffers()
     state = {"a": torch.randn(1000), "b": torch.randn(10, 10)}
     staging.take(state)
-    plan = staging._chunks
+    plan = staging._small
     state = {k: v.detach() for k, v in state.items()}  # new tensor objects, same memory: as state_dict() gives
     snap = staging.take(state)
-    assert staging._chunks is plan and all(torch.equal(snap[k], state[k]) for k in state)
+    assert staging._small is plan and all(torch.equal(snap[k], state[k]) for k in state)
     # same dtype and shape, new memory: the buffers stay, the plan must not (it would copy the old bytes)
     state["a"] = torch.randn(1000)
     snap = staging.take(state)
-    assert staging._chunks is not plan and staging.allocations == 1 and torch.equal(snap["a"], state["a"])
+    assert staging._small is not plan and staging.allocations == 1 and torch.equal(snap["a"], state["a"])
     # same memory, other strides (a transposed square): copied as a tensor, not as the old raw bytes
     state["b"] = state["b"].t()
     snap = staging.take(state)
@@ -371,10 +336,3 @@ def test_tensors_no_flat_buffer_can_hold_are_deep_copied_beside_staged_ones():
     assert staging.nbytes == 2 * 4  # only the plain tensor went to a buffer
     state["sparse"].values()[0] = 100.0  # a later change does not reach the snapshot
     assert snap["sparse"].values()[0] != 100.0
-
-
-def test_chunks_shrink_towards_the_end_so_threads_finish_together():
-    sizes = [sum(n for *_, n in c) for c in chunk([(0, 0, 100 << 20)], workers=2, smallest=1 << 20)]
-    assert sum(sizes) == 100 << 20
-    assert sizes[0] <= (100 << 20) // 4 + 1  # half of one thread's fair share
-    assert sizes == sorted(sizes, reverse=True) and sizes[-1] <= 1 << 20

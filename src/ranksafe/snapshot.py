@@ -14,15 +14,11 @@ Two pieces, both local (no collectives):
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import copy
 import ctypes
-import itertools
 import threading
-import weakref
-from collections.abc import Callable, Iterator, Mapping
-from queue import SimpleQueue
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -131,10 +127,9 @@ class StateDictLock:
             self.release_read()
 
 
-_PARALLEL_MIN = 16 << 20  # bytes; below this one thread copies everything (starting threads costs more)
-_CHUNK = 2 << 20  # bytes: the smallest unit of work handed to a copy thread
-_CALL_BYTES = 4096  # one memmove call costs about as much as copying this many bytes: weighs small tensors
-_SMALL_COPY = 64 << 10  # bytes; a copy below this keeps the GIL (see _run)
+# torch copies a tensor of at least this many elements with its intra-op threads (at::internal::GRAIN_SIZE);
+# a smaller one is copied by one thread either way, and memmove does that without torch's per-call overhead.
+_GRAIN = 32768
 
 Segment = tuple[int, int, int]  # (dst address, src address, nbytes)
 
@@ -144,155 +139,19 @@ def _plain_bytes(src: torch.Tensor) -> bool:
     return src.device.type == "cpu" and src.is_contiguous() and not src.is_conj() and not src.is_neg()
 
 
-# ctypes.memmove releases the GIL for every call, so that a large copy runs beside other threads. For a small
-# copy that costs more than the copy itself: while a helper thread waits for the GIL, each release hands it
-# over, and getting it back means waiting to be woken. Measured: 1,000 4 KiB copies beside a helper's large
-# ones added 3-7 ms to a 100 MiB snapshot. The same C function, called holding the GIL, for small copies:
+# memmove for the small tensors, called holding the GIL: ctypes.memmove releases it for every call, which costs
+# more than a small copy, and if another thread (the writer of the previous checkpoint, a data loader thread)
+# takes the GIL in between, the caller waits for it. Same C function as ctypes.memmove.
 _memmove_holding_gil = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)(
-    ctypes._memmove_addr  # the address ctypes.memmove itself calls
+    ctypes._memmove_addr
 )
 
 
-def _run(segments: list[Segment]) -> None:
-    small, large = _memmove_holding_gil, ctypes.memmove
+def copy_small(segments: list[Segment]) -> None:
+    """Copy byte ranges in the calling thread, holding the GIL (for ranges of tensors below :data:`_GRAIN`)."""
+    memmove = _memmove_holding_gil
     for dst, src, n in segments:
-        (small if n < _SMALL_COPY else large)(dst, src, n)
-
-
-def chunk(segments: list[Segment], workers: int, smallest: int = _CHUNK) -> list[list[Segment]]:
-    """Cut byte ranges into units of work for ``workers`` threads, splitting a range where needed.
-
-    Guided sizes: each chunk is half the remaining work's fair share (but at least ``smallest`` bytes), so
-    the threads make few claims while the work is large, and finish together with small chunks at the end.
-    Each range also counts as :data:`_CALL_BYTES` of work, so a chunk of thousands of tiny tensors is not
-    ten times slower than a chunk of one large one.
-    """
-    left = sum(n + _CALL_BYTES for _, _, n in segments)
-    out: list[list[Segment]] = []
-    current: list[Segment] = []
-    room = max(smallest, left // (2 * max(workers, 1)))
-    for dst, src, n in segments:
-        while n:
-            take = min(n, max(room - _CALL_BYTES, 1))
-            current.append((dst, src, take))
-            dst, src, n = dst + take, src + take, n - take
-            room -= take + _CALL_BYTES
-            left -= take + (0 if n else _CALL_BYTES)
-            if room <= 0:
-                out.append(current)
-                current, room = [], max(smallest, left // (2 * max(workers, 1)))
-    if current:
-        out.append(current)
-    return out
-
-
-def _serve(jobs: SimpleQueue) -> None:
-    """A parked thread's life: run each job it is handed, until it is handed ``None``."""
-    while True:
-        job = jobs.get()
-        if job is None:
-            return
-        job()
-        del job  # a parked thread must not keep its last job, and what that job refers to, alive
-
-
-def _stop(jobs: SimpleQueue, threads: list[threading.Thread], join: bool) -> None:
-    """Hand every parked thread its ``None``; with ``join``, wait until they have exited."""
-    for _ in threads:
-        jobs.put(None)
-    if join:
-        for t in threads:
-            t.join()
-    threads.clear()
-
-
-class ParkedThreads:
-    """Threads started once, then parked on a queue between jobs; stopped by :meth:`shutdown`, when this
-    object is garbage-collected, or at interpreter exit (after the writes in flight, see
-    :mod:`ranksafe.async_save`). Daemon threads, so that a parked thread never holds up interpreter exit; and
-    stopped and joined before finalization, because a daemon thread that still runs then is killed where it
-    stands, and inside a C++ destructor (a tensor its last job freed) that aborts the process.
-
-    Why parked and not started per job: starting a thread makes the caller wait until the new thread first
-    runs. On a 2-vCPU VM right after a checkpoint write, a copy whose helper thread was started for it took
-    16 ms, the same copy with a parked helper 9.2 ms (torch's own parked pool: 9.4 ms); starting the writer
-    thread cost the caller 0.3-0.8 ms per save.
-    """
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._jobs: SimpleQueue = SimpleQueue()
-        self._threads: list[threading.Thread] = []
-        self._finalizer = weakref.finalize(self, _stop, self._jobs, self._threads, False)
-        self._finalizer.atexit = False  # at exit, _stop_parked_at_exit joins them instead
-        _parked.add(self)
-
-    @property
-    def count(self) -> int:
-        """Threads running now (parked or busy)."""
-        return len(self._threads)
-
-    def start(self, count: int) -> None:
-        """Make sure at least ``count`` threads run; those missing are started (and waited for) now."""
-        while len(self._threads) < count:
-            t = threading.Thread(target=_serve, args=(self._jobs,), name=self.name, daemon=True)
-            t.start()
-            self._threads.append(t)
-
-    def hand(self, job: Callable[[], None], copies: int = 1) -> None:
-        """Give ``job`` to ``copies`` parked threads (starting them if needed); returns at once."""
-        self.start(copies)
-        for _ in range(copies):
-            self._jobs.put(job)
-
-    def shutdown(self) -> None:
-        """Stop the threads once their current job is done, and wait for them. :meth:`hand` starts new ones."""
-        _stop(self._jobs, self._threads, join=True)
-
-
-_parked: weakref.WeakSet[ParkedThreads] = weakref.WeakSet()
-
-
-@atexit.register
-def _stop_parked_at_exit() -> None:
-    for threads in list(_parked):
-        threads.shutdown()
-
-
-def copy_chunks(chunks: list[list[Segment]], workers: int, helpers: ParkedThreads) -> None:
-    """Copy the chunks with the calling thread and up to ``workers - 1`` parked helpers, each taking the next.
-
-    One share-out per snapshot, not one parallel region per tensor: torch's ``copy_`` opens a region per
-    tensor, and on a busy machine (data loader workers) each region waits for its slowest thread, measured
-    5-10x slower than this. Chunks are claimed, not pre-assigned, so the caller never waits for a helper that
-    is slow to wake (a core may still be held by the intra-op threads of the last training op): a late helper
-    finds the work done and goes back to sleep; the caller waits only for chunks a helper has claimed.
-    """
-    if workers <= 1 or len(chunks) < 2:
-        for c in chunks:
-            _run(c)
-        return
-    claim, total = itertools.count().__next__, len(chunks)  # count's next() is atomic under the GIL
-    left = [total]
-    finished = threading.Condition()
-
-    def work() -> None:
-        while (i := claim()) < total:
-            _run(chunks[i])
-            with finished:
-                left[0] -= 1
-                if not left[0]:
-                    finished.notify_all()
-
-    helpers.hand(work, min(workers, total) - 1)
-    work()
-    with finished:
-        finished.wait_for(lambda: not left[0])
-
-
-def threads_for(segments: list[Segment], workers: int) -> int:
-    """How many threads should copy these ranges: one below :data:`_PARALLEL_MIN` bytes, else ``workers``."""
-    return workers if sum(n for *_, n in segments) >= _PARALLEL_MIN else 1
+        memmove(dst, src, n)
 
 
 def _is_dtensor(t: Any) -> bool:
@@ -453,29 +312,28 @@ class StagingBuffers:
     The copy plan (which bytes go where) is kept too, keyed by every tensor's dtype, shape, strides and
     address: saving the same model again costs one walk over the state and the copy, nothing else.
     The snapshot's tensors are views into the buffers: they stay valid until the next capture, so the caller
-    must not take a new snapshot while the previous one is being written. Large copies use parked helper
-    threads (:class:`ParkedThreads`), started by the first such capture; :meth:`shutdown` stops them.
+    must not take a new snapshot while the previous one is being written.
+
+    Who copies: tensors of at least :data:`_GRAIN` elements go to torch in one ``_foreach_copy_`` call, which
+    runs them on torch's intra-op threads, the ones the training step has just used (awake, their caches
+    warm): the same copy as the floor the benchmark compares with. Smaller ones are copied with memmove by the
+    calling thread. CUDA tensors are copied first, without blocking, so they overlap with the CPU copies.
     """
 
     def __init__(self) -> None:
         self._key: tuple | None = None
         self._views: list[torch.Tensor] = []
         self._sig: list | None = None
-        self._chunks: list[list[Segment]] = []  # the tensors copied as raw bytes, cut into units of work
-        self._others: list[int] = []  # tensors copied by torch (CUDA, strided, lazy conjugate)
-        self._threads = 0  # torch's thread count when the plan was made: the plan follows set_num_threads
-        self._workers = 1  # threads the chunks were cut for
+        self._bulk: list[int] = []  # plain CPU tensors of at least _GRAIN elements: one torch call
+        self._bulk_views: list[torch.Tensor] = []
+        self._small: list[Segment] = []  # smaller plain CPU tensors: memmove
+        self._others: list[int] = []  # copied one by one (CUDA, strided, lazy conjugate or negation)
         self.buffers: dict[tuple[torch.dtype, bool], torch.Tensor] = {}
         self.allocations = 0  # buffers allocated over this object's life: proves reuse in tests
-        self.helpers = ParkedThreads("ranksafe-copy")
 
     @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())
-
-    def shutdown(self) -> None:
-        """Stop the copy helper threads; the buffers stay. A later capture starts the helpers again."""
-        self.helpers.shutdown()
 
     def _layout(self, tensors: list[torch.Tensor], key: tuple) -> None:
         self.buffers, self._views, self._key, self._sig = {}, [], None, None  # free the old buffers first
@@ -497,22 +355,22 @@ class StagingBuffers:
         key = tuple((t.dtype, tuple(t.shape), t.device.type) for t in tensors)
         if key != self._key:
             self._layout(tensors, key)
-        segments, self._others = [], []
+        self._bulk, self._small, self._others = [], [], []
         for i, (src, dst) in enumerate(zip(tensors, self._views, strict=True)):
             if not _plain_bytes(src):
                 self._others.append(i)
+            elif src.numel() >= _GRAIN:
+                self._bulk.append(i)
             elif src.numel():
-                segments.append((dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size()))
-        self._threads = torch.get_num_threads()
-        self._workers = threads_for(segments, self._threads)
-        self._chunks = chunk(segments, self._workers)
+                self._small.append((dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size()))
+        self._bulk_views = [self._views[i] for i in self._bulk]
         self._sig = sig
 
     def capture(self, state: Any) -> Captured:
         """Copy every tensor of ``state`` into the buffers and deep-copy the rest, now; assemble later."""
         walk = _Walk(state)
         tensors = walk.sources
-        if walk.sig != self._sig or self._threads != torch.get_num_threads():
+        if walk.sig != self._sig:
             self._plan(tensors, walk.sig)
         devices = set()
         with torch.no_grad():
@@ -522,7 +380,9 @@ class StagingBuffers:
                 self._views[i].copy_(src, non_blocking=cuda)
                 if cuda:
                     devices.add(src.device)
-        copy_chunks(self._chunks, self._workers, self.helpers)
+            if self._bulk:
+                torch._foreach_copy_(self._bulk_views, [tensors[i] for i in self._bulk])
+        copy_small(self._small)
         for d in devices:  # one synchronisation per device for all the non-blocking copies
             torch.cuda.synchronize(d)
         return Captured(walk.skeleton, self._views, walk.clothes)
