@@ -75,10 +75,6 @@ class ParkedThread:
         finalizer = weakref.finalize(self, _stop, self._jobs, self._thread, False)
         finalizer.atexit = False  # at exit, _wait_at_exit joins it instead
 
-    @property
-    def running(self) -> bool:
-        return bool(self._thread)
-
     def start(self) -> None:
         """Start the thread unless it runs (waiting until it does, so the first job does not pay for it)."""
         if not self._thread:
