@@ -1,7 +1,7 @@
 """How long is training blocked by an asynchronous checkpoint? Compared with the floor: one plain copy of the
 same bytes into a buffer allocated beforehand (no snapshot can copy faster).
 
-Side by side, in one process and one run:
+Side by side in one run, each method in a process of its own beside its own floor (see measure_apart):
   ranksafe     AsyncSaver.save (reused per-dtype staging buffers, allocated by warmup)
   lightning    AsyncCheckpointIO(TorchCheckpointIO()).save_checkpoint (clones every tensor on each save)
   dcp          torch.distributed.checkpoint.async_save (1-rank gloo group if it needs one)
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import multiprocessing
 import os
 import statistics
 import sys
@@ -27,6 +28,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
@@ -203,32 +205,56 @@ def row(name: str, times: list[float], floor: float, held: int, top: int | None)
     )
 
 
+def measure(size_mib: int, small: int, reps: int, directory: str | None, method: str) -> tuple[dict, int, int]:
+    """The floor and ``method`` on a fresh state, interleaved (:func:`run_methods`); also the state's bytes
+    and number of tensors."""
+    state = make_state(size_mib, small)
+    return run_methods(state, reps, directory, [method]), nbytes(state), len(state["model"])
+
+
+def measure_apart(size_mib: int, small: int, reps: int, directory: str | None, method: str) -> tuple[dict, int, int]:
+    """:func:`measure` in a process of its own. Methods share nothing: a library that runs torch ops on a
+    thread of its own (DCP's stager) gives OpenMP a second team, more threads than cores, and from then on
+    OpenMP puts its threads to sleep between parallel regions in that process. Measured here: the floor went
+    from 8.5 ms to a bimodal 10-16 ms, and ranksafe (one region per large tensor) from 9.1 to 13.1 ms."""
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        return pool.submit(measure, size_mib, small, reps, directory, method).result()
+
+
+METHODS = ("ranksafe", "lightning", "dcp")
+
+
 def collect(sizes_mib: list[int], reps: int, directory: str | None = None) -> list[dict]:
     """One row per state, method and size: ``benchmark`` (``async_save`` for 1,000 small tensors and large
     ones, ``async_save_large`` for the large ones only: the cost that grows with the number of tensors shows as
     the difference), ``size_mib``, ``method``, ``baseline`` (``floor``), ``times`` (seconds save() blocked, per
-    rep), ``extra`` (peak extra RSS / state size; None where the peak cannot be reset) and ``held`` (RSS left
-    behind / state size); plain data so ``python -m benchmarks`` can pass it between processes. A method that
-    fails is reported on stderr and left out."""
+    rep), ``baseline_times`` (the floor's, timed in the same process), ``extra`` (peak extra RSS / state size;
+    None where the peak cannot be reset) and ``held`` (RSS left behind / state size); plain data so ``python -m
+    benchmarks`` can pass it between processes. Each method runs in a process of its own beside its own floor
+    (:func:`measure_apart`); the floor row is ranksafe's. A method that fails is reported on stderr and left out.
+    """
     rows = []
     for benchmark, small in (("async_save", 1000), ("async_save_large", 0)):
         for size_mib in sizes_mib:
-            state = make_state(size_mib, small)
-            size = nbytes(state)
-            methods = ["ranksafe", "lightning", "dcp"]
-            for name, (times, held, top) in run_methods(state, reps, directory, methods).items():
-                rows.append(
-                    {
-                        "benchmark": benchmark,
-                        "size_mib": size / MiB,
-                        "method": name,
-                        "baseline": "floor",
-                        "times": times,
-                        "extra": [top / size] if top is not None else None,
-                        "held": held / size,
-                    }
-                )
-            del state
+            for method in METHODS:
+                results, size, _ = measure_apart(size_mib, small, reps, directory, method)
+                floor_times = results["floor"][0]
+                for name, (times, held, top) in results.items():
+                    if name == "floor" and method != METHODS[0]:
+                        continue
+                    rows.append(
+                        {
+                            "benchmark": benchmark,
+                            "size_mib": size / MiB,
+                            "method": name,
+                            "baseline": "floor",
+                            "times": times,
+                            "baseline_times": floor_times,
+                            "extra": [top / size] if top is not None else None,
+                            "held": held / size,
+                        }
+                    )
     return rows
 
 
@@ -238,18 +264,16 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=5, help="saves timed per method (>= 5)")
     p.add_argument("--small", type=int, default=1000, help="number of small (4 KiB) tensors in the state")
     p.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
-    p.add_argument("--only", nargs="*", default=["floor", "ranksafe", "lightning", "dcp"])
+    p.add_argument("--only", nargs="*", default=list(METHODS), choices=METHODS)
     args = p.parse_args()
-    state = make_state(args.size_mib, args.small)
-    print(
-        f"state: {len(state['model'])} tensors, {nbytes(state) / MiB:.0f} MiB; {args.reps} reps; "
-        f"torch {torch.__version__}; {os.cpu_count()} CPUs"
-    )
-    results = run_methods(state, args.reps, args.dir, args.only)
-    floor = statistics.median(results["floor"][0])
+    print(f"{args.reps} reps; torch {torch.__version__}; {os.cpu_count()} CPUs; each method in its own process")
     print("blocked ms:   min   median      max   median/floor max/floor   extra RSS MiB: held  peak")
-    for name, (times, held, top) in results.items():
-        print(row(name, times, floor, held, top))
+    for method in args.only:
+        results, size, count = measure_apart(args.size_mib, args.small, args.reps, args.dir, method)
+        floor = statistics.median(results["floor"][0])
+        print(f"-- {method}: state of {count} tensors, {size / MiB:.0f} MiB, beside its own floor")
+        for name, (times, held, top) in results.items():
+            print(row(name, times, floor, held, top))
     print("targets for ranksafe: median <= 1.15x floor, max <= 2x floor")
 
 

@@ -97,15 +97,17 @@ def _order(row: dict) -> tuple[int, float, int]:
 
 def table(rows: list[dict]) -> str:
     """Markdown, one line per row. Ratios divide by the median of the same benchmark's baseline at the same size,
-    timed in the same process and interleaved with (or right before) the method. ``extra RAM / size`` is the
-    highest peak over the runs (n/a where the script does not measure memory)."""
+    timed in the same process and interleaved with (or right before) the method: the row's own
+    ``baseline_times`` where it has them (a method measured in a process of its own), else the baseline row's.
+    ``extra RAM / size`` is the highest peak over the runs (n/a where the script does not measure memory)."""
     baselines = {
         (r["benchmark"], r["size_mib"]): statistics.median(r["times"]) for r in rows if r["method"] == r["baseline"]
     }
     lines = ["| " + " | ".join(HEADER) + " |", "|" + "|".join("---" for _ in HEADER) + "|"]
     for row in sorted(rows, key=_order):
         key = (row["benchmark"], row["method"])
-        base = baselines[(row["benchmark"], row["size_mib"])]
+        own = row.get("baseline_times")  # the baseline timed beside this method, in its process
+        base = statistics.median(own) if own else baselines[(row["benchmark"], row["size_mib"])]
         times = row["times"]
         median, worst = statistics.median(times) / base, max(times) / base
         extra = max(row["extra"]) if row["extra"] else None

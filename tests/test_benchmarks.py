@@ -27,7 +27,7 @@ def test_quick_run_prints_every_method_with_parseable_numbers(tmp_path) -> None:
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=150,
     )
     assert done.returncode == 0, done.stderr[-4000:]
     rows = _table(done.stdout)
