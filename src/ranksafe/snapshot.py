@@ -174,12 +174,15 @@ class _Slot:
 
 
 _SLOTS: list[_Slot] = []
+_GROW = threading.Lock()  # two threads capturing at once must not append slots out of order
 
 
 def _slot(i: int) -> _Slot:
     """The slot for tensor number ``i`` (a list lookup: making one per tensor per capture costs more)."""
-    while len(_SLOTS) <= i:
-        _SLOTS.append(_Slot(len(_SLOTS)))
+    if i >= len(_SLOTS):
+        with _GROW:
+            while len(_SLOTS) <= i:
+                _SLOTS.append(_Slot(len(_SLOTS)))
     return _SLOTS[i]
 
 
