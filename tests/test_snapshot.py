@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import collections
+import io
 import threading
 import time
 
 import pytest
 import torch
 
-from ranksafe.snapshot import _GRAIN, StagingBuffers, StateDictLock, copy_small
+from ranksafe.snapshot import _BULK_BYTES, _GAP, StagingBuffers, StateDictLock, copy_small
 from tests.ranks import run_ranks
 
 # --------------------------------------------------------------------------------------------------- lock
@@ -206,24 +207,27 @@ def _many_tensors(n=2000):
     return state
 
 
-def test_thousands_of_tensors_take_one_buffer_per_dtype_reused_across_snapshots():
+def test_thousands_of_tensors_take_one_buffer_reused_across_snapshots():
     staging = StagingBuffers()
     state = _many_tensors()
     snap = staging.take(state)
-    assert staging.allocations == 3  # float32, int64, float16: three allocations, not 2001
+    assert staging.allocations == 1  # one host buffer for float32, int64 and float16, not 2001 allocations
     ptrs = {k: b.data_ptr() for k, b in staging.buffers.items()}
     assert type(snap) is collections.OrderedDict and list(snap) == list(state)
-    assert all(torch.equal(snap[k], state[k]) for k in state)
+    assert all(snap[k].dtype == state[k].dtype and torch.equal(snap[k], state[k]) for k in state)
     assert all(snap[k].data_ptr() != state[k].data_ptr() for k in state)  # copies, not aliases
     for v in state.values():
         v.add_(1)
     snap2 = staging.take(state)
-    assert staging.allocations == 3 and ptrs == {k: b.data_ptr() for k, b in staging.buffers.items()}
+    assert staging.allocations == 1 and ptrs == {k: b.data_ptr() for k, b in staging.buffers.items()}
     assert all(torch.equal(snap2[k], state[k]) for k in state)
-    # a changed structure (a new shape) reallocates
+    # a changed structure that still fits keeps the buffer; one that does not fit gets a new one
     state["p1"] = torch.randn(7)
-    staging.take(state)
-    assert staging.allocations == 6
+    snap3 = staging.take(state)
+    assert staging.allocations == 1 and all(torch.equal(snap3[k], state[k]) for k in state)
+    state["big"] = torch.randn(100_000)
+    snap4 = staging.take(state)
+    assert staging.allocations == 2 and all(torch.equal(snap4[k], state[k]) for k in state)
 
 
 def test_snapshot_keeps_structure_ties_parameters_and_deep_copies_the_rest():
@@ -278,31 +282,74 @@ def test_small_copies_move_exactly_their_byte_ranges():
     assert torch.equal(dst[:off], src[:off]) and not dst[off:].any()
 
 
-def test_large_tensors_go_to_torch_in_one_call_and_small_ones_are_copied_directly(monkeypatch):
+def _foreach_calls(monkeypatch) -> list[list[int]]:
+    """Record the byte count of every range each ``torch._foreach_copy_`` call copies."""
     calls = []
     real = torch._foreach_copy_
-    monkeypatch.setattr(torch, "_foreach_copy_", lambda dst, src: (calls.append(len(src)), real(dst, src)))
-    state = {f"big{i}": torch.randn(_GRAIN + i) for i in range(3)} | {f"small{i}": torch.randn(10) for i in range(5)}
+    record = lambda dst, src: (calls.append([s.nbytes for s in src]), real(dst, src))  # noqa: E731
+    monkeypatch.setattr(torch, "_foreach_copy_", record)
+    return calls
+
+
+def test_neighbouring_tensors_are_copied_as_one_range_and_saved_without_the_bytes_between(monkeypatch):
+    calls = _foreach_calls(monkeypatch)
+    flat = torch.full((1000 * 64,), 12345.0)  # 1,000 tensors of 40 floats, 24 floats apart: one range
+    state = {f"p{i}": flat[i * 64 : i * 64 + 40] for i in range(1000)}
+    for v in state.values():
+        v.copy_(torch.randn(40))
     staging = StagingBuffers()
     for _ in range(2):
         snap = staging.take(state)
         assert all(torch.equal(snap[k], v) for k, v in state.items())
-    assert calls == [3, 3]  # one call per capture, for the three large tensors only
-    assert len(staging._small) == 5
+    span = (999 * 64 + 40) * 4
+    assert calls == [[span], [span]] and not staging._small  # one torch call per capture, one range in it
+    assert all(snap[k].untyped_storage().nbytes() == 160 for k in state)  # each tensor its own bytes only
+    buf = io.BytesIO()
+    torch.save(snap, buf)
+    assert torch.tensor(12345.0).numpy().tobytes() not in buf.getvalue()  # the filler between them is not saved
+    buf.seek(0)
+    loaded = torch.load(buf)
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
+
+
+def test_ranges_follow_addresses_whatever_the_order_dtype_alignment_or_overlap(monkeypatch):
+    calls = _foreach_calls(monkeypatch)
+    raw = torch.randint(0, 255, (4096 + 1,), dtype=torch.uint8)
+    odd = raw[1:].view(torch.uint8)  # starts at an odd address
+    state = {
+        "tail": raw[1024:1536].view(torch.float64),  # listed first, 424 bytes after the head's end: joins it
+        "odd_u8": odd[:100],
+        "f32": raw[128 : 128 + 400].view(torch.float32),  # two dtypes in one range, each still aligned
+        "overlap": raw[200:600],  # overlaps "f32" and "odd_u8"
+        "far": torch.randn(_BULK_BYTES // 4),  # its own range, long enough for torch
+        "apart": raw[1536 + _GAP :],  # a gap of _GAP after the tail: a range of its own
+    }
+    staging = StagingBuffers()
+    snap = staging.take(state)
+    same_bits = lambda a, b: a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # noqa: E731
+    for k, v in state.items():  # random bytes make NaNs: compare bits
+        assert same_bits(snap[k], v), k
+        assert snap[k].data_ptr() % 8 == v.data_ptr() % 8, k  # same alignment as the source
+    assert calls == [[_BULK_BYTES]]  # the large tensor alone went to torch
+    assert sorted(n for _, _, n in staging._small) == sorted([4096 + 1 - (1536 + _GAP), 1536 - 1])
+    before = {k: v.clone() for k, v in state.items()}
+    raw.fill_(7)
+    state["far"].fill_(7)
+    assert all(same_bits(snap[k], before[k]) for k in state)  # copies, taken when take() ran
 
 
 def test_the_copy_plan_is_reused_only_while_every_tensor_stays_where_it_was():
     staging = StagingBuffers()
     state = {"a": torch.randn(1000), "b": torch.randn(10, 10)}
     staging.take(state)
-    plan = staging._small
+    plan = staging._views
     state = {k: v.detach() for k, v in state.items()}  # new tensor objects, same memory: as state_dict() gives
     snap = staging.take(state)
-    assert staging._small is plan and all(torch.equal(snap[k], state[k]) for k in state)
-    # same dtype and shape, new memory: the buffers stay, the plan must not (it would copy the old bytes)
+    assert staging._views is plan and all(torch.equal(snap[k], state[k]) for k in state)
+    # same dtype and shape, new memory: the buffer stays, the plan must not (it would copy the old bytes)
     state["a"] = torch.randn(1000)
     snap = staging.take(state)
-    assert staging._small is not plan and staging.allocations == 1 and torch.equal(snap["a"], state["a"])
+    assert staging._views is not plan and staging.allocations == 1 and torch.equal(snap["a"], state["a"])
     # same memory, other strides (a transposed square): copied as a tensor, not as the old raw bytes
     state["b"] = state["b"].t()
     snap = staging.take(state)
@@ -336,3 +383,14 @@ def test_tensors_no_flat_buffer_can_hold_are_deep_copied_beside_staged_ones():
     assert staging.nbytes == 2 * 4  # only the plain tensor went to a buffer
     state["sparse"].values()[0] = 100.0  # a later change does not reach the snapshot
     assert snap["sparse"].values()[0] != 100.0
+
+
+def test_a_nested_tensor_is_copied_whole_beside_staged_ones():
+    nested = torch.nested.nested_tensor([torch.randn(2), torch.randn(3)])
+    state = {"nested": nested, "again": [nested], "w": torch.ones(2)}
+    staging = StagingBuffers()
+    snap = staging.take(state)
+    assert snap["nested"].is_nested and snap["again"][0] is snap["nested"]
+    assert all(torch.equal(a, b) for a, b in zip(snap["nested"].unbind(), nested.unbind(), strict=True))
+    nested.unbind()[0].fill_(100.0)  # a later change does not reach the snapshot
+    assert not (snap["nested"].unbind()[0] == 100.0).any() and torch.equal(snap["w"], state["w"])

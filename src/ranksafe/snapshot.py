@@ -5,11 +5,12 @@ Two pieces, both local (no collectives):
 * :class:`StateDictLock`, a writer-preferring reader/writer lock. The optimizer step holds the *write* side;
   a snapshot holds the *read* side, so it never copies weights that are half-way through an update, and a
   waiting step is never starved by a stream of snapshots.
-* :class:`StagingBuffers`, the destination of a snapshot: every tensor is copied into a few large buffers (one
-  per dtype) allocated once and reused by every later snapshot of the same structure. Thousands of small
-  tensors cost one allocation per dtype, not thousands. CUDA tensors go to pinned buffers with non-blocking
-  copies and a single synchronisation per device. A ``DTensor`` contributes its local shard and keeps its
-  placements. Everything that is not a tensor is deep-copied at call time.
+* :class:`StagingBuffers`, the destination of a snapshot: one host buffer (and one pinned buffer per dtype
+  for CUDA tensors) allocated once and reused by every later snapshot, so thousands of small tensors cost
+  one allocation, not thousands. Tensors that lie next to each other in memory are copied as one byte
+  range. CUDA tensors go to pinned memory with non-blocking copies and a single synchronisation per device.
+  A ``DTensor`` contributes its local shard and keeps its placements. Everything that is not a tensor is
+  deep-copied at call time.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import ctypes
+import mmap
 import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -127,9 +129,14 @@ class StateDictLock:
             self.release_read()
 
 
-# torch copies a tensor of at least this many elements with its intra-op threads (at::internal::GRAIN_SIZE);
-# a smaller one is copied by one thread either way, and memmove does that without torch's per-call overhead.
-_GRAIN = 32768
+# A byte range at least this long is copied by torch's intra-op threads: torch splits a copy of at least 32,768
+# elements (at::internal::GRAIN_SIZE) across them, counted here in float32 elements. A shorter one is copied by
+# one thread either way, and memmove does that without torch's per-call overhead.
+_BULK_BYTES = 4 * 32768
+# Tensors whose bytes are closer than this are copied as one range with the bytes between them. Less than a
+# page: every byte in between shares a page with a byte of a live tensor, so it is mapped and safe to read.
+_GAP = 1024
+_ALIGN = 64  # a staged range keeps its source address modulo this, which keeps every dtype in it aligned
 
 Segment = tuple[int, int, int]  # (dst address, src address, nbytes)
 
@@ -148,10 +155,31 @@ _memmove_holding_gil = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctype
 
 
 def copy_small(segments: list[Segment]) -> None:
-    """Copy byte ranges in the calling thread, holding the GIL (for ranges of tensors below :data:`_GRAIN`)."""
+    """Copy byte ranges in the calling thread, holding the GIL (for ranges shorter than :data:`_BULK_BYTES`)."""
     memmove = _memmove_holding_gil
     for dst, src, n in segments:
         memmove(dst, src, n)
+
+
+def _runs(tensors: list[torch.Tensor], indices: list[int]) -> list[tuple[int, int, list[int]]]:
+    """``(start, end, members)`` byte ranges covering the given tensors: by address, a tensor starting less
+    than :data:`_GAP` bytes after the range so far (or inside it: overlapping views) joins it."""
+    runs: list[tuple[int, int, list[int]]] = []
+    for i in sorted(indices, key=lambda i: tensors[i].data_ptr()):
+        start = tensors[i].data_ptr()
+        end = start + tensors[i].numel() * tensors[i].element_size()
+        if runs and start - runs[-1][1] < _GAP:
+            first, last, members = runs[-1]
+            members.append(i)
+            runs[-1] = (first, max(last, end), members)
+        else:
+            runs.append((start, end, [i]))
+    return runs
+
+
+def _bytes_at(address: int, nbytes: int) -> torch.Tensor:
+    """A byte tensor over memory it does not own: valid only while the tensors there are alive."""
+    return torch.frombuffer((ctypes.c_char * nbytes).from_address(address), dtype=torch.uint8)
 
 
 def _is_dtensor(t: Any) -> bool:
@@ -221,6 +249,10 @@ class _Walk:
         local = t._local_tensor if _is_dtensor(t) else t
         if local is t and type(t) not in _PLAIN_TENSORS:
             return copy.deepcopy(t, self.memo)  # an unknown tensor subclass: no flat buffer can hold it
+        if local.is_nested:  # no sizes or strides to lay it out by, and deepcopy cannot make one: clone it
+            if id(t) not in self.memo:
+                self.memo[id(t)] = t.detach().clone()
+            return self.memo[id(t)]
         if local.layout is not torch.strided or local.is_quantized or local.is_meta:
             return copy.deepcopy(t, self.memo)
         slot = self._add(t, local)
@@ -259,10 +291,15 @@ class _Walk:
             if type(v) is torch.Tensor and v.is_cpu and v.layout is strided and not v.is_quantized:
                 i = index.get(id(v))
                 if i is None:
+                    try:
+                        found = (v.dtype, v.shape, v.stride(), v.data_ptr(), True, v.is_conj(), v.is_neg())
+                    except RuntimeError:  # no sizes or strides (a nested tensor): the general path decides
+                        out[k] = walk(v)
+                        continue
                     i = index[id(v)] = len(originals)
                     originals.append(v)
                     sources.append(v)
-                    sig.append((v.dtype, v.shape, v.stride(), v.data_ptr(), True, v.is_conj(), v.is_neg()))
+                    sig.append(found)
                 out[k] = slots[i] if i < len(slots) else _slot(i)
             else:
                 out[k] = walk(v)
@@ -308,65 +345,113 @@ class Captured:
 
 
 class StagingBuffers:
-    """Reusable destination of snapshots: one flat buffer per (dtype, pinned), views for every tensor.
+    """Reusable destination of snapshots: one host buffer for every CPU tensor, one pinned buffer per dtype for
+    CUDA tensors, allocated once and reused while the state fits.
 
-    The layout is keyed by the structure (dtype, shape and device type of each tensor, in walk order); a
-    snapshot of the same structure reuses the buffers, a changed structure frees them and allocates anew.
-    The copy plan (which bytes go where) is kept too, keyed by every tensor's dtype, shape, strides and
-    address: saving the same model again costs one walk over the state and the copy, nothing else.
-    The snapshot's tensors are views into the buffers: they stay valid until the next capture, so the caller
-    must not take a new snapshot while the previous one is being written.
+    Tensors whose bytes lie within :data:`_GAP` of each other in memory (the small tensors of a model, allocated
+    one after another; views into one flat buffer) are copied as one byte range, the few bytes between them
+    included; every staged tensor is then given a storage of its own bytes only, so what is saved is exactly
+    the tensors, never the bytes between them. The copy plan (which ranges go where) is kept, keyed by every
+    tensor's dtype, shape, strides and address: saving the same model again costs one walk over the state and
+    the copy, nothing else. The snapshot's tensors stay valid until the next capture, so the caller must not
+    take a new snapshot while the previous one is being written.
 
-    Who copies: tensors of at least :data:`_GRAIN` elements go to torch in one ``_foreach_copy_`` call, which
-    runs them on torch's intra-op threads, the ones the training step has just used (awake, their caches
-    warm): the same copy as the floor the benchmark compares with. Smaller ones are copied with memmove by the
-    calling thread. CUDA tensors are copied first, without blocking, so they overlap with the CPU copies.
+    Who copies: ranges of at least :data:`_BULK_BYTES` go to torch in one ``_foreach_copy_`` call, which runs
+    them on torch's intra-op threads, the ones the training step has just used (awake, their caches warm): the
+    same copy as the floor the benchmark compares with. Shorter ranges are copied with memmove by the calling
+    thread. CUDA tensors are copied first, without blocking, so they overlap with the CPU copies.
     """
 
     def __init__(self) -> None:
-        self._key: tuple | None = None
+        self._host: mmap.mmap | None = None  # an anonymous mapping: pages cost memory once written, not before
+        self._host_bytes: torch.Tensor | None = None  # the whole mapping as bytes, to cut destination ranges from
+        self._pinned: dict[torch.dtype, torch.Tensor] = {}
         self._views: list[torch.Tensor] = []
         self._sig: list | None = None
-        self._bulk: list[int] = []  # plain CPU tensors of at least _GRAIN elements: one torch call
-        self._bulk_views: list[torch.Tensor] = []
-        self._small: list[Segment] = []  # smaller plain CPU tensors: memmove
+        self._bulk_dst: list[torch.Tensor] = []  # byte ranges for torch's threads: one call
+        self._bulk_src: list[torch.Tensor] = []
+        self._small: list[Segment] = []  # shorter byte ranges: memmove
         self._others: list[int] = []  # copied one by one (CUDA, strided, lazy conjugate or negation)
-        self.buffers: dict[tuple[torch.dtype, bool], torch.Tensor] = {}
+        self.nbytes = 0  # bytes one snapshot holds (what a checkpoint of it needs on disk, give or take pickle)
         self.allocations = 0  # buffers allocated over this object's life: proves reuse in tests
 
     @property
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+    def buffers(self) -> dict[Any, torch.Tensor]:
+        """The buffers snapshots are copied into: ``"host"`` (bytes) and one pinned buffer per CUDA dtype."""
+        host = {} if self._host_bytes is None else {"host": self._host_bytes}
+        return host | {(dtype, "pinned"): b for dtype, b in self._pinned.items()}
 
-    def _layout(self, tensors: list[torch.Tensor], key: tuple) -> None:
-        self.buffers, self._views, self._key, self._sig = {}, [], None, None  # free the old buffers first
-        pin = torch.cuda.is_available()
-        sizes: dict[tuple[torch.dtype, bool], int] = {}
-        for t in tensors:
-            k = (t.dtype, pin and t.device.type == "cuda")
-            sizes[k] = sizes.get(k, 0) + t.numel()
-        self.buffers = {k: torch.empty(n, dtype=k[0], pin_memory=k[1]) for k, n in sizes.items()}
-        self.allocations += len(self.buffers)
-        offsets = dict.fromkeys(sizes, 0)
-        for t in tensors:
-            k = (t.dtype, pin and t.device.type == "cuda")
-            self._views.append(self.buffers[k][offsets[k] : offsets[k] + t.numel()].view(t.shape))
-            offsets[k] += t.numel()
-        self._key = key
+    def _reserve_host(self, nbytes: int) -> None:
+        """A host buffer of at least ``nbytes``: the current one if it fits and is not far too big. An eighth
+        more than asked, so a plan that moves a few tensors (new addresses, other gaps) keeps the buffer."""
+        size = 0 if self._host is None else len(self._host)
+        if nbytes <= size and nbytes >= size // 4:
+            return
+        self._host = self._host_bytes = None  # free the old mapping first (snapshots holding views keep it alive)
+        if nbytes:
+            self._host = mmap.mmap(-1, nbytes + nbytes // 8)
+            self._host_bytes = torch.frombuffer(self._host, dtype=torch.uint8)
+            self.allocations += 1
+
+    def _reserve_pinned(self, sizes: dict[torch.dtype, int]) -> None:
+        if {d: b.numel() for d, b in self._pinned.items()} != sizes:
+            self._pinned = {}
+            self._pinned = {d: torch.empty(n, dtype=d, pin_memory=True) for d, n in sizes.items()}
+            self.allocations += len(sizes)
+
+    def _host_view(self, t: torch.Tensor, offset: int) -> torch.Tensor:
+        """A tensor shaped like ``t`` over the host buffer's bytes at ``offset``, with a storage of its own: saved,
+        it writes these bytes only."""
+        return torch.frombuffer(self._host, dtype=t.dtype, count=t.numel(), offset=offset).view(t.shape)
 
     def _plan(self, tensors: list[torch.Tensor], sig: list) -> None:
-        key = tuple((t.dtype, tuple(t.shape), t.device.type) for t in tensors)
-        if key != self._key:
-            self._layout(tensors, key)
-        self._bulk, self._small, self._others = [], [], []
-        for i, (src, dst) in enumerate(zip(tensors, self._views, strict=True)):
-            if not _plain_bytes(src):
-                self._others.append(i)
-            elif src.numel() >= _GRAIN:
-                self._bulk.append(i)
-            elif src.numel():
-                self._small.append((dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size()))
-        self._bulk_views = [self._views[i] for i in self._bulk]
+        self._sig = None  # a plan that fails half-way must not be taken for the old one
+        plain, others = [], []
+        for i, t in enumerate(tensors):
+            if t.numel():
+                (plain if _plain_bytes(t) else others).append(i)
+        runs = _runs(tensors, plain)
+        cuda = [i for i in others if tensors[i].device.type == "cuda"]
+        host_others = [i for i in others if tensors[i].device.type != "cuda"]
+        # host layout: each range keeps its source address modulo _ALIGN (so every dtype in it stays aligned),
+        # then the tensors copied one by one, _ALIGN-aligned
+        where, pos = [], 0
+        for start, end, _ in runs:
+            pos += (start - pos) % _ALIGN
+            where.append(pos)
+            pos += end - start
+        offsets = {}
+        for i in host_others:
+            pos += -pos % _ALIGN
+            offsets[i] = pos
+            pos += tensors[i].numel() * tensors[i].element_size()
+        self._reserve_host(pos)
+        pinned = {}
+        for i in cuda:
+            offsets[i] = pinned.get(tensors[i].dtype, 0)
+            pinned[tensors[i].dtype] = offsets[i] + tensors[i].numel()
+        self._reserve_pinned(pinned)
+
+        views: list[torch.Tensor | None] = [None] * len(tensors)
+        self._bulk_dst, self._bulk_src, self._small = [], [], []
+        for (start, end, members), at in zip(runs, where, strict=True):
+            for i in members:
+                views[i] = self._host_view(tensors[i], at + tensors[i].data_ptr() - start)
+            if end - start >= _BULK_BYTES:
+                self._bulk_dst.append(self._host_bytes[at : at + end - start])
+                self._bulk_src.append(_bytes_at(start, end - start))
+            else:
+                self._small.append((self._host_bytes.data_ptr() + at, start, end - start))
+        for i in host_others:
+            views[i] = self._host_view(tensors[i], offsets[i])
+        for i in cuda:
+            t = tensors[i]
+            views[i] = self._pinned[t.dtype][offsets[i] : offsets[i] + t.numel()].view(t.shape)
+        for i, t in enumerate(tensors):
+            if views[i] is None:  # no elements: nothing to copy
+                views[i] = torch.empty(t.shape, dtype=t.dtype)
+        self._views, self._others = views, others
+        self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
         self._sig = sig
 
     def capture(self, state: Any) -> Captured:
@@ -375,6 +460,8 @@ class StagingBuffers:
         tensors = walk.sources
         if walk.sig != self._sig:
             self._plan(tensors, walk.sig)
+        # The plan's source ranges are raw addresses: valid because every tensor is where the plan found it
+        # (the signature says so) and the state keeps them alive for this call.
         devices = set()
         with torch.no_grad():
             for i in self._others:
@@ -383,8 +470,8 @@ class StagingBuffers:
                 self._views[i].copy_(src, non_blocking=cuda)
                 if cuda:
                     devices.add(src.device)
-            if self._bulk:
-                torch._foreach_copy_(self._bulk_views, [tensors[i] for i in self._bulk])
+            if self._bulk_src:
+                torch._foreach_copy_(self._bulk_dst, self._bulk_src)
         copy_small(self._small)
         for d in devices:  # one synchronisation per device for all the non-blocking copies
             torch.cuda.synchronize(d)
