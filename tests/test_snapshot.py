@@ -385,6 +385,7 @@ def test_tensors_no_flat_buffer_can_hold_are_deep_copied_beside_staged_ones():
     assert snap["sparse"].values()[0] != 100.0
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch.nested is a prototype
 def test_a_nested_tensor_is_copied_whole_beside_staged_ones():
     nested = torch.nested.nested_tensor([torch.randn(2), torch.randn(3)])
     state = {"nested": nested, "again": [nested], "w": torch.ones(2)}
