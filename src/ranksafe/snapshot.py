@@ -394,8 +394,9 @@ class StagingBuffers:
             self.allocations += 1
 
     def _reserve_pinned(self, sizes: dict[torch.dtype, int]) -> None:
+        """Pinned buffers of exactly these sizes (elements per dtype): saved whole, they must hold no slack."""
         if {d: b.numel() for d, b in self._pinned.items()} != sizes:
-            self._pinned = {}
+            self._pinned = {}  # free the old ones first
             self._pinned = {d: torch.empty(n, dtype=d, pin_memory=True) for d, n in sizes.items()}
             self.allocations += len(sizes)
 
