@@ -173,6 +173,29 @@ def test_on_commit_runs_after_the_commit_so_retention_never_removes_the_last_che
     assert os.listdir(tmp_path) == ["2.pt"]
 
 
+def test_calls_that_wait_for_the_write_refuse_to_run_inside_it_instead_of_hanging(tmp_path):
+    refused = {}
+    saver = AsyncSaver()
+
+    def on_commit(path):  # runs on the writer thread, inside the write these calls would wait for
+        for name, call in [
+            ("wait", saver.wait),
+            ("save", lambda: saver.save(_state(n=2), str(tmp_path / "again.pt"))),
+            ("shutdown", saver.shutdown),
+            ("close", saver.close),
+        ]:
+            try:
+                call()
+            except RuntimeError as e:
+                refused[name] = "own writer thread" in str(e)
+
+    saver.save(_state(n=2), str(tmp_path / "a.pt"), on_commit=on_commit)
+    assert saver.wait(20), "the write waited for itself"
+    assert refused == {"wait": True, "save": True, "shutdown": True, "close": True}
+    assert not saver.failed and os.listdir(tmp_path) == ["a.pt"]
+    saver.close()
+
+
 def test_single_process_failure_is_flagged_then_raised_once_as_the_original_error(tmp_path):
     (tmp_path / "file").write_text("x")
     saver = AsyncSaver()

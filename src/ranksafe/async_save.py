@@ -82,6 +82,10 @@ class ParkedThread:
             t.start()
             self._thread.append(t)
 
+    def is_current(self) -> bool:
+        """Whether the caller runs on this thread (inside one of its jobs)."""
+        return bool(self._thread) and self._thread[0] is threading.current_thread()
+
     def hand(self, job: Callable[[], None]) -> None:
         """Queue ``job`` for the thread (started if needed); returns at once."""
         self.start()
@@ -181,6 +185,7 @@ class AsyncSaver:
         For writers other than one file (a step directory with a commit marker): ``write_fn`` must commit
         atomically itself. Its return value goes to ``on_commit``. Same return value as :meth:`save`.
         """
+        self._not_from_writer_thread("submit")
         if not is_writer(self.writer):
             return False
         with self._submitting:
@@ -202,6 +207,15 @@ class AsyncSaver:
             self._worker.hand(functools.partial(self._write, captured, write_fn, callbacks))
             return True
 
+    def _not_from_writer_thread(self, call: str) -> None:
+        """Refuse a call that waits for the write in flight when it comes from that write (an ``on_commit``
+        callback): the write would wait for itself, and training would hang at the next save."""
+        if self._worker.is_current():
+            raise RuntimeError(
+                f"AsyncSaver.{call}() called from its own writer thread (an on_commit callback): it would wait "
+                "for the write that is calling it; call it from the training loop instead"
+            )
+
     def _write(self, captured: Captured, write_fn: Callable[[Any], Any], callbacks: list[OnCommit]) -> None:
         try:
             result = write_fn(captured.assemble())  # assembled here: the caller is not kept waiting for it
@@ -220,12 +234,15 @@ class AsyncSaver:
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the write in flight (if any) is committed or failed; False on timeout. Local.
 
-        Never raises the write's error: that is :meth:`check`'s job, on every rank at once.
+        Never raises the write's error: that is :meth:`check`'s job, on every rank at once. Raises
+        ``RuntimeError`` when called from the write itself (an ``on_commit`` callback), which would never return.
         """
+        self._not_from_writer_thread("wait")
         return self._idle.wait(timeout)
 
     def shutdown(self) -> None:
         """Wait for the write in flight, then stop this saver's thread; local. The saver stays usable."""
+        self._not_from_writer_thread("shutdown")
         self.wait()
         self._worker.shutdown()
 
@@ -236,6 +253,7 @@ class AsyncSaver:
         A collective costing one exchange: cheap enough for every training step. Each failure is
         reported once. In a single process the original error is raised unchanged.
         """
+        self._not_from_writer_thread("check")
         check_savers([self], self.name)
 
     def take_error(self) -> BaseException | None:
