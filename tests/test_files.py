@@ -91,6 +91,16 @@ def test_empty_garbage_missing_and_directory(tmp_path):
         ranksafe.load_file(tmp_path / "empty.pth")
     with pytest.raises(ranksafe.CorruptCheckpoint, match=r"junk\.pth"):
         ranksafe.load_file(tmp_path / "junk.pth")
+    # text that the unpickler chokes on with IndexError (a passwd file, a CSV) is not a checkpoint either
+    (tmp_path / "passwd").write_text("root:x:0:0:root:/root:/bin/bash\ndaemon:x:1:1::/usr/sbin:/usr/sbin/nologin\n")
+    (tmp_path / "preds.csv").write_text("x,y\n1,2\n")
+    legacy = tmp_path / "legacy.pth"  # torch's pre-zip format is a checkpoint, read as one
+    ranksafe.atomic_save(_state(), legacy, _use_new_zipfile_serialization=False)
+    assert ranksafe.load_file(legacy).keys() == _state().keys()
+    for name in ("passwd", "preds.csv"):
+        for weights_only in (True, False):
+            with pytest.raises(ranksafe.CorruptCheckpoint, match=f"{name}: not a torch checkpoint"):
+                ranksafe.load_file(tmp_path / name, weights_only=weights_only)
     with pytest.raises(FileNotFoundError):
         ranksafe.load_file(tmp_path / "missing.pth")
     with pytest.raises(IsADirectoryError, match="is a directory"):
@@ -102,15 +112,32 @@ def test_empty_garbage_missing_and_directory(tmp_path):
 def test_untrusted_pickle_needs_opt_in(tmp_path):
     path = tmp_path / "obj.pkl"
     ranksafe.atomic_save({"fn": os.path.join}, path)
-    with pytest.raises(ranksafe.UntrustedCheckpoint, match="weights_only=False"):
+    with pytest.raises(ranksafe.UntrustedCheckpoint, match="weights_only=False") as e:
         ranksafe.load_file(path)
+    assert "Unsupported global: GLOBAL posixpath.join" in str(e.value)  # what was refused, not torch's advice
     assert ranksafe.load_file(path, weights_only=False)["fn"] is os.path.join
 
 
 def test_file_where_a_directory_must_go(tmp_path):
     (tmp_path / "blocker").write_text("a file")
-    with pytest.raises(OSError, match="blocker"):  # FileExistsError from makedirs
-        ranksafe.save(_state(), tmp_path / "blocker" / "m.pth")
+    blocker = re.escape(f"{tmp_path / 'blocker'} is a file, not a directory")
+    for target in (tmp_path / "blocker" / "m.pth", tmp_path / "blocker" / "a" / "b" / "m.pth"):
+        # os.makedirs alone says "File exists", as if the target existed
+        with pytest.raises(NotADirectoryError, match=re.escape(f"cannot save {target} (rank 0): ") + blocker):
+            ranksafe.save(_state(), target)
+        with pytest.raises(NotADirectoryError, match=blocker):
+            ranksafe.prepare_dir(target)
+    assert (tmp_path / "blocker").read_text() == "a file"
+
+
+def test_local_writes_name_the_target_not_the_temporary(tmp_path):
+    (tmp_path / "blocker").write_text("a file")
+    with pytest.raises(FileNotFoundError, match=f"directory {re.escape(str(tmp_path / 'nodir'))} does not exist") as e:
+        ranksafe.atomic_save(_state(), tmp_path / "nodir" / "m.pth")
+    assert e.value.filename == str(tmp_path / "nodir" / "m.pth") and TMP_SUFFIX not in str(e.value)
+    with pytest.raises(NotADirectoryError, match="blocker is a file, not a directory") as e:
+        ranksafe.atomic_save(_state(), tmp_path / "blocker" / "m.pth")
+    assert TMP_SUFFIX not in str(e.value)
 
 
 def test_orphans_of_dead_writers_are_cleaned_live_ones_kept(tmp_path):
@@ -120,6 +147,10 @@ def test_orphans_of_dead_writers_are_cleaned_live_ones_kept(tmp_path):
     dead_tmp.write_bytes(b"x" * 100)
     live_tmp.write_bytes(b"y")
     assert clean_orphans(tmp_path, "m.pth") == [dead_tmp.name]
+    assert live_tmp.exists() and not dead_tmp.exists()
+    # a write to the directory cleans the debris of any file there (a crashed epoch_3.pth is never written again)
+    dead_tmp.write_bytes(b"x" * 100)
+    ranksafe.atomic_save(_state(), tmp_path / "other.pth")
     assert live_tmp.exists() and not dead_tmp.exists()
 
 

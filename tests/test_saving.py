@@ -165,7 +165,8 @@ def test_failed_write_raises_on_every_rank_and_keeps_the_committed_file(tmp_path
     for outcome, committed in res:
         assert outcome != "saved"
         assert "rank 0" in outcome["msg"] and "file/m.pth" in outcome["msg"]
-        assert outcome["errno"] == errno.EEXIST  # the code travels too: `e.errno == ...` works on every rank
+        assert f"{tmp_path / 'file'} is a file, not a directory" in outcome["msg"]
+        assert outcome["errno"] == errno.ENOTDIR  # the code travels too: `e.errno == ...` works on every rank
         assert outcome["seconds"] < 5
         assert committed == 1.0
 

@@ -28,7 +28,7 @@ import torch
 
 from . import topology
 from .collectives import share_outcome, together
-from .files import atomic_save
+from .files import atomic_save, make_dirs
 from .saving import Writer, error_naming_target, is_writer
 from .snapshot import Captured, StagingBuffers, StateDictLock
 
@@ -172,7 +172,7 @@ class AsyncSaver:
 
         def write(snapshot: Any) -> str:
             try:
-                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+                make_dirs(os.path.dirname(os.path.abspath(path)))
                 return atomic_save(snapshot, path, **torch_save_kwargs)
             except OSError as e:
                 raise error_naming_target(e, "cannot save", path) from e
@@ -280,7 +280,7 @@ class AsyncSaver:
                         with self.lock.read():
                             self.staging.capture(example_state)
                 try:
-                    os.makedirs(directory, exist_ok=True)
+                    make_dirs(directory)
                     probe = os.path.join(directory, f".ranksafe-warmup-{topology.rank()}")
                     atomic_save(torch.zeros(1024), probe)
                     os.unlink(probe)

@@ -42,7 +42,7 @@ from . import topology
 from .async_save import AsyncSaver
 from .collectives import exchange, share_outcome, together
 from .errors import CorruptCheckpoint, Failure, RankFailure, rank_failure
-from .files import TMP_SUFFIX, ChecksummingWriter, atomic_write, fsync_dir, load_file
+from .files import TMP_SUFFIX, ChecksummingWriter, atomic_write, fsync_dir, load_file, make_dirs
 from .snapshot import StateDictLock
 from .storage import Placement, Storage, placement
 
@@ -99,7 +99,7 @@ class AtomicDir:
 
     def create(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
-        os.makedirs(self.parent, exist_ok=True)
+        make_dirs(self.parent)
         os.mkdir(self.tmp)
 
     def finalize(self, manifest: Mapping[str, Any]) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import os
 import pickle
 import secrets
@@ -76,6 +77,42 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def _file_in_the_way(directory: str) -> str | None:
+    """The nearest existing ancestor of ``directory`` (itself included) when it is not a directory."""
+    path = os.path.abspath(directory)
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            return None
+        path = parent
+    return None if os.path.isdir(path) else path
+
+
+def make_dirs(directory: str | os.PathLike) -> str:
+    """``os.makedirs(directory, exist_ok=True)``, returning the absolute path, with a clear error where a file
+    stands in the way: ``NotADirectoryError`` naming that file (``os.makedirs`` says "File exists", which reads
+    as if the target itself existed)."""
+    directory = os.path.abspath(os.fspath(directory))
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as e:
+        blocker = _file_in_the_way(directory)
+        if blocker is None:
+            raise
+        raise NotADirectoryError(errno.ENOTDIR, f"{blocker} is a file, not a directory") from e
+    return directory
+
+
+def _naming_target(e: OSError, target: str) -> OSError:
+    """``e`` as raised for ``target`` rather than for the temporary beside it (which the user never named)."""
+    reason = e.strerror or str(e)
+    if e.errno in (errno.ENOENT, errno.ENOTDIR):
+        directory = os.path.dirname(target)
+        blocker = _file_in_the_way(directory)
+        reason = f"{blocker} is a file, not a directory" if blocker else f"directory {directory} does not exist"
+    return type(e)(e.errno, reason, target)
+
+
 def clean_orphans(directory: str | os.PathLike, prefix: str = "") -> list[str]:
     """Remove temporary files left by crashed writers in ``directory``; return their names.
 
@@ -86,7 +123,7 @@ def clean_orphans(directory: str | os.PathLike, prefix: str = "") -> list[str]:
     host = _host_tag()
     try:
         names = os.listdir(directory)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # nothing there to clean; the write itself will say why
         return removed
     for name in names:
         if not (name.startswith("." + prefix) and name.endswith(TMP_SUFFIX)):
@@ -215,10 +252,14 @@ class AtomicFile:
     def open(self, mode: str = "wb") -> IO:
         if os.path.isdir(self.target):
             raise IsADirectoryError(f"cannot write {self.target}: it is a directory")
-        clean_orphans(self.directory, self.name)
+        clean_orphans(self.directory)  # of any file here: a crashed epoch_3.pth is never written again
         tag = f".{self.name}.{_host_tag()}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
         self.tmp = os.path.join(self.directory, tag)
-        fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as e:
+            self.tmp = None
+            raise _naming_target(e, self.target) from None
         try:
             # mkstemp-style 0600 while writing; the published file gets the mode a plain open() would give
             mode_bits = os.stat(self.target).st_mode & 0o777 if os.path.exists(self.target) else 0o666 & ~_umask()
@@ -407,18 +448,43 @@ def load_file(
         verify_file(path)
     try:
         return torch.load(path, map_location=map_location, weights_only=weights_only, **kw)
-    except pickle.UnpicklingError as e:
-        if weights_only and "Weights only load failed" in str(e):
-            if _is_zip(path):
-                raise UntrustedCheckpoint(path, str(e).splitlines()[-1][:200]) from e
-            raise CorruptCheckpoint(path, "not a torch checkpoint") from e
-        raise CorruptCheckpoint(path, f"{type(e).__name__}: {e}") from e
     except (FileNotFoundError, IsADirectoryError, PermissionError):
         raise
-    except (RuntimeError, EOFError, ValueError, UnicodeDecodeError, KeyError, OSError) as e:
-        raise CorruptCheckpoint(path, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}") from e
+    except Exception as e:
+        error = _load_error(path, e, weights_only)
+        if error is e:
+            raise
+        raise error from e
+
+
+# what torch.load raises for a damaged file (anything else from a torch file comes from the objects in it)
+_DAMAGE = (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, KeyError, IndexError, OSError)
+
+
+def _load_error(path: str, e: Exception, weights_only: bool) -> Exception:
+    """What a failed ``torch.load`` of ``path`` means, named for the user (``e`` itself: pass it on)."""
+    if not _is_zip(path) and not _is_legacy_torch(path):
+        return CorruptCheckpoint(path, "not a torch checkpoint (neither a zip archive nor torch's legacy format)")
+    if isinstance(e, pickle.UnpicklingError) and weights_only and "Weights only load failed" in str(e):
+        lines = str(e).splitlines()
+        # torch's message is a page of advice; the line naming the refused object is the one that matters
+        why = next((line.strip() for line in lines if "WeightsUnpickler error" in line), lines[-1])
+        return UntrustedCheckpoint(path, why.split(". Please use")[0][:300])
+    if not isinstance(e, _DAMAGE):
+        return e  # e.g. a class the pickle names is missing here: the file may be sound, the environment is not
+    detail = str(e).splitlines()[0][:200] if str(e) else ""
+    return CorruptCheckpoint(path, f"{type(e).__name__}: {detail}" if detail else type(e).__name__)
 
 
 def _is_zip(path: str) -> bool:
     with open(path, "rb") as f:
         return f.read(4) == _ZIP_START
+
+
+# torch's legacy (pre-zip) format opens with a pickled magic number: protocol 2, then a LONG1 of 10 bytes
+_LEGACY_START = b"\x80\x02\x8a\x0a"
+
+
+def _is_legacy_torch(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == _LEGACY_START

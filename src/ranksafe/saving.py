@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from . import topology
 from .collectives import barrier, together
-from .files import atomic_save, load_file
+from .files import atomic_save, load_file, make_dirs
 
 Writer = Literal["main", "local", "all"]
 
@@ -53,7 +53,7 @@ def save(obj: Any, path: str | os.PathLike, writer: Writer = "main", **torch_sav
     with together("save", what=f"save {path}"):
         if is_writer(writer):
             try:
-                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+                make_dirs(os.path.dirname(os.path.abspath(path)))
                 atomic_save(obj, path, **torch_save_kwargs)
             except OSError as e:
                 raise error_naming_target(e, "cannot save", path) from e
@@ -101,5 +101,5 @@ def prepare_dir(path: str | os.PathLike, overwrite: bool = False, writer: Writer
                 shutil.rmtree(path)
             elif os.path.exists(path) and not os.path.isdir(path):
                 raise NotADirectoryError(f"{_where(path)} exists and is not a directory")
-            os.makedirs(path, exist_ok=True)
+            make_dirs(path)
     return path

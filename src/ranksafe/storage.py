@@ -24,6 +24,7 @@ from typing import Literal
 from . import topology
 from .collectives import exchange
 from .errors import Failure, rank_failure
+from .files import make_dirs
 
 Storage = Literal["auto", "shared", "local"]
 Kind = Literal["shared", "local", "mixed"]
@@ -93,7 +94,7 @@ def probe(directory: str | os.PathLike, timeout: float | None = None) -> dict[in
     token, path, failure = None, None, None
     if topology.is_local_main():
         try:
-            os.makedirs(directory, exist_ok=True)
+            make_dirs(directory)
             token = secrets.token_hex(8)
             path = os.path.join(directory, f"{PROBE_PREFIX}{node}-{token}")
             os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))

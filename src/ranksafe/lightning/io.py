@@ -36,7 +36,7 @@ from lightning.fabric.utilities.types import _PATH
 
 from .. import topology
 from ..async_save import AsyncSaver
-from ..files import atomic_save, load_file
+from ..files import atomic_save, load_file, make_dirs
 from ..saving import error_naming_target
 from ..snapshot import StateDictLock
 
@@ -158,8 +158,8 @@ class RankSafeCheckpointIO(CheckpointIO):
 
     def _write(self, checkpoint: dict[str, Any], path: str) -> None:
         """The commit itself, on the calling thread or the background one."""
-        os.makedirs(os.path.dirname(path), exist_ok=True)
         try:
+            make_dirs(os.path.dirname(os.path.abspath(path)))
             atomic_save(checkpoint, path)
         except OSError as e:  # name the checkpoint, not the temporary file the error speaks of
             raise error_naming_target(e, "cannot save checkpoint", path) from e
