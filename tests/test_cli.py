@@ -42,9 +42,11 @@ def test_verify_files_and_step_directories(tmp_path, capsys):
     assert code == 0 and out.startswith(f"OK {good}: ") and out.endswith("KiB, crc32 verified\n")
     code, out = _cli(capsys, "verify", str(tmp_path / "stock.pth"))
     assert code == 0 and "no ranksafe footer" in out
-    for bad in ("flipped.pth", "cut.pth", "missing.pth"):
+    (tmp_path / "preds.csv").write_text("x,y\n1,2\n")  # torch.load fails on it with IndexError
+    for bad in ("flipped.pth", "cut.pth", "missing.pth", "preds.csv"):
         code, out = _cli(capsys, "verify", str(tmp_path / bad))
         assert code == 1 and out.startswith("BAD") and bad in out, out
+    assert "not a torch checkpoint" in out
 
     manager = ranksafe.CheckpointManager(tmp_path / "run", keep=5)
     for step in (1, 2):
@@ -52,6 +54,8 @@ def test_verify_files_and_step_directories(tmp_path, capsys):
     step2 = manager.step_dir(2)
     code, out = _cli(capsys, "verify", step2)
     assert code == 0 and "step 2" in out and "checksums verified" in out
+    code, out = _cli(capsys, "verify", str(tmp_path / "run"))  # the root, not a step: say so, not "no manifest"
+    assert code == 1 and "a checkpoint root, not a step" in out and "ranksafe ls" in out, out
     state = next(p for p in os.listdir(step2) if p.endswith(".pt"))
     with open(os.path.join(step2, state), "r+b") as f:
         f.seek(100)
@@ -77,3 +81,35 @@ def test_doctor_under_torchrun(tmp_path):
     assert f"{tmp_path}: shared" in out.stdout and "writers: ranks [0]" in out.stdout
     assert re.search(r"rank 0: \d+ MiB/s", out.stdout)
     assert os.listdir(tmp_path) == []  # the probes cleaned up after themselves
+
+
+def test_demo_refuses_fewer_than_two_ranks(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as e:
+        _cli(capsys, "demo", "--ranks", "1")
+    assert e.value.code == 2 and "--ranks must be at least 2" in capsys.readouterr().err
+
+
+def test_doctor_creates_root_or_reports_the_file_in_its_way(tmp_path, capsys):
+    code, out = _cli(capsys, "doctor", str(tmp_path / "new" / "root"), "--megabytes", "1")
+    assert code == 0 and re.search(r"rank 0: \d+ MiB/s", out) and os.listdir(tmp_path / "new" / "root") == []
+    (tmp_path / "file").write_text("in the way")
+    code, out = _cli(capsys, "doctor", str(tmp_path / "file" / "root"))
+    assert (code, out) == (1, f"BAD {tmp_path / 'file' / 'root'}: {tmp_path / 'file'} is a file, not a directory\n")
+
+
+def test_doctor_under_torchrun_fails_on_every_rank_with_one_line(tmp_path):
+    from tests.ranks import free_port
+
+    (tmp_path / "file").write_text("in the way")
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={free_port()}",
+         "-m", "ranksafe", "doctor", str(tmp_path / "file" / "root"), "--megabytes", "1"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode != 0
+    bad = [line for line in (out.stdout + out.stderr).splitlines() if "BAD " in line]
+    assert len(bad) == 1 and "is a file, not a directory" in bad[0], out.stdout + out.stderr[-3000:]
+    ranks_output = out.stderr.split("torch/distributed/elastic")[0]  # what the ranks printed, before torchrun's report
+    assert "Traceback" not in out.stdout + ranks_output

@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-from .checkpoint import list_steps, verify_step
+from .checkpoint import MANIFEST, list_steps, verify_step
 from .errors import CorruptCheckpoint, UntrustedCheckpoint
 from .files import load_file, verify_file
 
@@ -28,6 +28,12 @@ def _size(n: float) -> str:
 def verify(path: str) -> int:
     """Check a checkpoint file (footer, or zip structure for stock files) or a step directory (manifest)."""
     try:
+        if os.path.isdir(path) and not os.path.exists(os.path.join(path, MANIFEST)) and list_steps(path):
+            print(
+                f"BAD {path}: a checkpoint root, not a step: `ranksafe ls {path} --deep` checks every step",
+                file=sys.stderr,
+            )
+            return 1
         if os.path.isdir(path):
             manifest = verify_step(path, deep=True)
             files = manifest["files"]
@@ -78,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--megabytes", type=int, default=64, help="size of the bandwidth probe (default 64)")
     args = parser.parse_args(argv)
     if args.command == "demo":
+        if args.ranks < 2 or args.rounds < 1:
+            parser.error("demo: --ranks must be at least 2 (it shows ranks racing) and --rounds at least 1")
         from .demo import run
 
         return run(ranks=args.ranks, rounds=args.rounds)

@@ -3,21 +3,24 @@
 Run it the way the training runs (``torchrun --nproc_per_node=N -m ranksafe doctor ROOT``, ``srun ...``) so
 that it meets the same ranks, nodes and file systems. It reports the topology, whether ROOT is shared or
 node-local (and so who writes there), the latency of a barrier and an agreement, and ROOT's write bandwidth
-for an atomic, fsynced save. Only rank 0 prints.
+for an atomic, fsynced save. ROOT is created if missing, as a checkpoint save would. Only rank 0 prints; a
+problem with ROOT (a file in the way, no permission) is one ``BAD`` line and exit status 1, on every rank.
 """
 
 from __future__ import annotations
 
 import os
 import statistics
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 
 from . import topology
-from .collectives import agree, all_gather, barrier
-from .files import atomic_save
+from .collectives import agree, all_gather, barrier, together
+from .errors import RankSafeError
+from .files import atomic_save, make_dirs
 from .storage import placement
 
 
@@ -40,8 +43,13 @@ def _latency(fn, repeats: int = 20) -> float:
 
 def run(root: str, megabytes: int = 64) -> int:
     created = _init()
+    root = os.path.abspath(root)
     try:
-        return _report(os.path.abspath(root), megabytes)
+        return _report(root, megabytes)
+    except (OSError, RankSafeError) as e:  # raised on every rank alike: the probes below are shared
+        if topology.is_main():
+            print(f"BAD {root}: {e.strerror if isinstance(e, OSError) and e.strerror else e}", file=sys.stderr)
+        return 1
     finally:
         if created:
             dist.destroy_process_group()
@@ -56,13 +64,14 @@ def _report(root: str, megabytes: int) -> int:
     agree_ms = _latency(lambda: agree(1.0, "max", name="doctor"))
 
     seconds = None
-    if where.writer:
-        state = {"probe": torch.zeros(megabytes * (1 << 20) // 4)}
-        path = os.path.join(root, f".ranksafe-doctor-{topology.rank()}.pt")
-        start = time.perf_counter()
-        atomic_save(state, path)
-        seconds = time.perf_counter() - start
-        os.unlink(path)
+    with together("doctor: bandwidth", what=f"doctor: save to {root}"):
+        if where.writer:
+            state = {"probe": torch.zeros(megabytes * (1 << 20) // 4)}
+            path = os.path.join(make_dirs(root), f".ranksafe-doctor-{topology.rank()}.pt")
+            start = time.perf_counter()
+            atomic_save(state, path)
+            seconds = time.perf_counter() - start
+            os.unlink(path)
     speeds = all_gather(None if seconds is None else megabytes / seconds, name="doctor: bandwidth")
 
     if not topology.is_main():
