@@ -16,12 +16,16 @@ setup() {
   echo "== setting up $VENV"
   [[ -x $VENV/bin/python ]] || "$PY" -m venv "$VENV"
   local pip=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
-  # CPU torch first and pinned: anything unpinned would pull the CUDA build.
-  "${pip[@]}" "torch==2.13.0"
-  # fastai without torchvision (see requirements/fastai-deps.txt).
+  # CPU torch first, pinned to the CPU build: plain "torch==2.13.0" from PyPI is the CUDA build (gigabytes).
+  if ! "${pip[@]}" "torch==2.13.0+cpu"; then
+    echo "torch 2.13.0+cpu not found: point pip at PyTorch's CPU wheels and run again:" >&2
+    echo "  PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu bash dev.sh $*" >&2
+    exit 1
+  fi
+  # fastai without torchvision (see requirements/fastai-deps.txt); pip would warn that fastai wants it.
   "${pip[@]}" --no-deps "fastai==2.8.12"
-  "${pip[@]}" -r requirements/fastai-deps.txt -r requirements/dev.txt -r requirements/docs.txt -e ".[lightning,dev]" \
-    "torch==2.13.0"
+  "${pip[@]}" --no-warn-conflicts -r requirements/fastai-deps.txt -r requirements/dev.txt -r requirements/docs.txt \
+    -e ".[lightning,dev]" "torch==2.13.0"
   if "$VENV/bin/python" -c "import torchvision" 2>/dev/null; then
     echo "torchvision must not be installed (breaks lightning on CPU torch)" >&2; exit 1
   fi
@@ -31,17 +35,18 @@ setup() {
 job=${1:-}
 case "$job" in
   demo)
-    setup
+    setup "$@"
     exec "$VENV/bin/ranksafe" demo "${@:2}" ;;
   test)
-    setup
+    setup "$@"
     export PATH="$PWD/$VENV/bin:$PATH"
     ruff check src tests nbs chaos benchmarks docs/_ext
     ruff format --check src tests nbs chaos benchmarks docs/_ext
     # The docs site, strict: a broken link or cross-reference fails the run (docstrings: tests/test_docstrings.py).
     site=$(mktemp -d)
     trap 'rm -rf "$site"' EXIT
-    NO_MKDOCS_2_WARNING=1 mkdocs build --strict -d "$site"  # not --quiet: it hides the warnings strict counts
+    # The tutorials are executed for their pages (outputs shown); a cell that raises fails the build.
+    NO_MKDOCS_2_WARNING=1 timeout 900 mkdocs build --strict -d "$site"  # not --quiet: it hides the warnings
     # pytest exits 5 when it collected nothing: that is a failure here, as is any other non-zero code.
     # --nbmake runs each notebook in nbs/ top to bottom as one test (it collects only .ipynb files).
     pytest --nbmake tests nbs "${@:2}" ;;
