@@ -395,3 +395,47 @@ def test_a_nested_tensor_is_copied_whole_beside_staged_ones():
     assert all(torch.equal(a, b) for a, b in zip(snap["nested"].unbind(), nested.unbind(), strict=True))
     nested.unbind()[0].fill_(100.0)  # a later change does not reach the snapshot
     assert not (snap["nested"].unbind()[0] == 100.0).any() and torch.equal(snap["w"], state["w"])
+
+
+def _saved(obj) -> tuple[int, object]:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.tell(), torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+
+
+def test_tied_weights_are_staged_once_and_stay_tied_like_torch_save():
+    model = torch.nn.Sequential(torch.nn.Embedding(1000, 64), torch.nn.Linear(64, 1000, bias=False))
+    model[1].weight = model[0].weight  # tied, as in language models: state_dict() gives two tensor objects
+    state = model.state_dict()
+    keys = list(state)
+    assert state[keys[0]] is not state[keys[1]] and state[keys[0]].data_ptr() == state[keys[1]].data_ptr()
+    staging = StagingBuffers()
+    snap = staging.take(state)
+    size, back = _saved(snap)
+    stock_size, _ = _saved(state)
+    assert size < stock_size * 1.1  # was: twice the bytes, one storage per key
+    assert back[keys[0]].data_ptr() == back[keys[1]].data_ptr()  # tied again when loaded
+    assert torch.equal(back[keys[1]], model[0].weight.detach())
+    assert staging.nbytes == 1000 * 64 * 4  # what one checkpoint needs on disk: the weight once
+
+
+def test_a_plain_tensor_that_requires_grad_keeps_it_like_torch_save():
+    log_alpha = torch.zeros(1, requires_grad=True)  # SAC's temperature: a leaf tensor, not a Parameter
+    state = {"log_alpha": log_alpha, "w": torch.ones(3)}
+    staging = StagingBuffers()
+    for _ in range(2):  # the staged view is reused: dressing it must not leak the flag to the next snapshot
+        snap = staging.take(state)
+        assert snap["log_alpha"].requires_grad and not snap["w"].requires_grad
+        assert _saved(snap)[1]["log_alpha"].requires_grad == _saved(state)[1]["log_alpha"].requires_grad
+    state["log_alpha"] = torch.zeros(1)
+    assert not staging.take(state)["log_alpha"].requires_grad
+
+
+def test_a_tensor_whose_storage_was_resized_under_it_is_refused_not_read():
+    t = torch.randn(1000)
+    state = {"t": t}
+    staging = StagingBuffers()
+    staging.take(state)
+    t.untyped_storage().resize_(16)  # as FSDP frees a parameter's storage; was: 4,000 bytes read from 16
+    with pytest.raises(ValueError, match="spans 4000 bytes of a storage of 16"):
+        staging.take(state)

@@ -182,6 +182,19 @@ def _bytes_at(address: int, nbytes: int) -> torch.Tensor:
     return torch.frombuffer((ctypes.c_char * nbytes).from_address(address), dtype=torch.uint8)
 
 
+def _check_in_storage(t: torch.Tensor, i: int) -> None:
+    """Refuse a tensor whose storage is smaller than its view (a storage resized under it, as FSDP frees
+    parameters): copying it would read memory it does not own, or crash."""
+    extent = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True))
+    need = (t.storage_offset() + extent) * t.element_size()
+    have = t.untyped_storage().nbytes()
+    if have < need:
+        raise ValueError(
+            f"tensor #{i} of the state ({tuple(t.shape)}, {t.dtype}) spans {need} bytes of a storage of {have}: "
+            "its storage was resized under it (freed?); snapshot it once it holds its data again"
+        )
+
+
 def _is_dtensor(t: Any) -> bool:
     return DTensor is not None and isinstance(t, DTensor)
 
@@ -260,6 +273,8 @@ class _Walk:
             self.clothes[slot.index] = t._spec
         elif type(t) is not torch.Tensor:
             self.clothes[slot.index] = t.requires_grad
+        elif t.requires_grad:
+            self.clothes[slot.index] = _REQUIRES_GRAD
         return slot
 
     def _walk(self, obj: Any) -> Any:
@@ -286,7 +301,7 @@ class _Walk:
         """Copy a mapping; its plain CPU tensors (the bulk of any state dict) take an inlined path: ``_add``
         without the call and without a new slot object, measured 1.28 -> 1.07 us per tensor."""
         walk, index, originals, sources, sig = self._walk, self.index, self.originals, self.sources, self.sig
-        slots, strided = _SLOTS, torch.strided
+        slots, strided, clothes = _SLOTS, torch.strided, self.clothes
         for k, v in obj.items():
             if type(v) is torch.Tensor and v.is_cpu and v.layout is strided and not v.is_quantized:
                 i = index.get(id(v))
@@ -300,6 +315,8 @@ class _Walk:
                     originals.append(v)
                     sources.append(v)
                     sig.append(found)
+                    if v.requires_grad:  # a leaf such as SAC's log_alpha: torch.save keeps the flag, so do we
+                        clothes[i] = _REQUIRES_GRAD
                 out[k] = slots[i] if i < len(slots) else _slot(i)
             else:
                 out[k] = walk(v)
@@ -322,10 +339,16 @@ def _fill(obj: Any, staged: list[torch.Tensor]) -> Any:
     return obj
 
 
+_REQUIRES_GRAD = object()  # the clothes of a plain tensor that requires grad
+
+
 def _dress(view: torch.Tensor, clothes: Any) -> torch.Tensor:
-    """The staged copy in the original's clothes: a DTensor keeps its spec, a Parameter stays one."""
+    """The staged copy in the original's clothes: a DTensor keeps its spec, a Parameter stays one, a tensor
+    that requires grad still does (a new tensor object each time: the staged view is reused by every snapshot)."""
     if clothes is None:
         return view
+    if clothes is _REQUIRES_GRAD:
+        return view.detach().requires_grad_()
     if isinstance(clothes, bool):
         return torch.nn.Parameter(view, requires_grad=clothes)
     return DTensor(view, clothes, requires_grad=False)
@@ -389,7 +412,8 @@ class StagingBuffers:
             return
         self._host = self._host_bytes = None  # free the old mapping first (snapshots holding views keep it alive)
         if nbytes:
-            self._host = mmap.mmap(-1, nbytes + nbytes // 8)
+            # private: a forked child's snapshots must not write into the parent's (mmap's default is shared)
+            self._host = mmap.mmap(-1, nbytes + nbytes // 8, flags=mmap.MAP_PRIVATE)
             self._host_bytes = torch.frombuffer(self._host, dtype=torch.uint8)
             self.allocations += 1
 
@@ -408,8 +432,16 @@ class StagingBuffers:
     def _plan(self, tensors: list[torch.Tensor], sig: list) -> None:
         self._sig = None  # a plan that fails half-way must not be taken for the old one
         plain, others = [], []
+        first: dict[tuple, int] = {}  # a tensor's bytes and layout -> the first tensor with them
+        same: dict[int, int] = {}  # a tensor -> the earlier one it duplicates (tied weights from state_dict())
         for i, t in enumerate(tensors):
             if t.numel():
+                _check_in_storage(t, i)
+                key = sig[i][:4] + sig[i][5:]  # dtype, shape, strides, address, flags
+                if key in first and sig[i][4]:
+                    same[i] = first[key]
+                    continue
+                first[key] = i
                 (plain if _plain_bytes(t) else others).append(i)
         runs = _runs(tensors, plain)
         cuda = [i for i in others if tensors[i].device.type == "cuda"]
@@ -448,11 +480,13 @@ class StagingBuffers:
         for i in cuda:
             t = tensors[i]
             views[i] = self._pinned[t.dtype][offsets[i] : offsets[i] + t.numel()].view(t.shape)
+        for i, j in same.items():  # one staged tensor for both: saved once, and tied again when loaded
+            views[i] = views[j]
         for i, t in enumerate(tensors):
             if views[i] is None:  # no elements: nothing to copy
                 views[i] = torch.empty(t.shape, dtype=t.dtype)
         self._views, self._others = views, others
-        self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        self.nbytes = sum(tensors[i].numel() * tensors[i].element_size() for i in first.values())
         self._sig = sig
 
     def capture(self, state: Any) -> Captured:
