@@ -25,6 +25,7 @@ from lightning.pytorch.plugins import AsyncCheckpointIO, TorchCheckpointIO
 
 import ranksafe
 from ranksafe.lightning import RankSafe, RankSafeCheckpointIO
+from tests.ranks import run_ranks
 from tests.test_lightning_ddp import finish, start
 
 SCRIPT = Path(__file__).parent / "lightning_scripts" / "ddp_async.py"
@@ -371,3 +372,35 @@ def test_one_process_resume_from_the_manager_verifies_the_step(tmp_path):
     state.write_bytes(bytes(data))
     with pytest.raises(ranksafe.CorruptCheckpoint, match="step_00000012"):  # checked against the manifest
         _fit_managed(root, 4, keep=1, resume=True)
+
+
+def _teardown_reports_once(rank: int, root: str) -> dict:
+    import contextlib
+    import io
+
+    from ranksafe.async_save import _wait_at_exit
+
+    class Failing(RankSafeCheckpointIO):
+        def _write(self, checkpoint, path):
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+    plugin = Failing(async_save=True)  # no RankSafe callback: teardown is where the failure surfaces
+    if rank == 0:  # Lightning calls the plugin on global rank 0 only
+        plugin.save_checkpoint({"w": torch.ones(2)}, os.path.join(root, "a.ckpt"))
+    out = {}
+    try:
+        plugin.teardown()
+        out["teardown"] = "no error"
+    except OSError as e:
+        out["teardown"] = type(e).__name__
+    printed = io.StringIO()
+    with contextlib.redirect_stderr(printed):
+        _wait_at_exit()
+    out["exit_hook"] = printed.getvalue()
+    return out
+
+
+def test_a_failure_raised_by_teardown_is_not_reported_again_at_exit(tmp_path):
+    r0, r1 = run_ranks(_teardown_reports_once, 2, args=(str(tmp_path),), timeout=90).values
+    assert r0["teardown"] == "OSError" and r1["teardown"] == "no error"
+    assert r0["exit_hook"] == "" == r1["exit_hook"]  # was: the same failure printed a second time at exit

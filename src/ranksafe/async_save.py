@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import errno
 import functools
+import multiprocessing.util
 import os
 import shutil
 import sys
@@ -28,6 +29,7 @@ import torch
 
 from . import topology
 from .collectives import share_outcome, together
+from .errors import BarrierTimeout, CollectiveMismatch
 from .files import atomic_save, make_dirs
 from .saving import Writer, error_naming_target, is_writer
 from .snapshot import Captured, StagingBuffers, StateDictLock
@@ -48,13 +50,15 @@ def _serve(jobs: SimpleQueue) -> None:
         del job  # a parked thread must not keep its last job, and the saver that job refers to, alive
 
 
-def _stop(jobs: SimpleQueue, thread: list[threading.Thread], join: bool) -> None:
-    """Hand the parked thread (if any) its ``None``; with ``join``, wait until it has exited."""
-    if thread:
-        jobs.put(None)
-        if join:
-            thread[0].join()
-        thread.clear()
+def _stop(jobs: SimpleQueue, thread: list[threading.Thread], guard: threading.Lock, join: bool) -> None:
+    """Hand the parked thread (if any) its ``None``; with ``join``, wait until it has exited. Under ``guard``, so a
+    job handed meanwhile goes to this thread before its ``None`` or to a new thread after it, never behind it."""
+    with guard:
+        if thread:
+            jobs.put(None)
+            if join:
+                thread[0].join()
+            thread.clear()
 
 
 class ParkedThread:
@@ -72,11 +76,16 @@ class ParkedThread:
         self.name = name
         self._jobs: SimpleQueue = SimpleQueue()
         self._thread: list[threading.Thread] = []  # zero or one; a list, shared with the finalizer
-        finalizer = weakref.finalize(self, _stop, self._jobs, self._thread, False)
+        self._guard = threading.Lock()  # start/hand against stop: see _stop
+        finalizer = weakref.finalize(self, _stop, self._jobs, self._thread, self._guard, False)
         finalizer.atexit = False  # at exit, _wait_at_exit joins it instead
 
     def start(self) -> None:
         """Start the thread unless it runs (waiting until it does, so the first job does not pay for it)."""
+        with self._guard:
+            self._start()
+
+    def _start(self) -> None:
         if not self._thread:
             t = threading.Thread(target=_serve, args=(self._jobs,), name=self.name, daemon=True)
             t.start()
@@ -88,12 +97,13 @@ class ParkedThread:
 
     def hand(self, job: Callable[[], None]) -> None:
         """Queue ``job`` for the thread (started if needed); returns at once."""
-        self.start()
-        self._jobs.put(job)
+        with self._guard:
+            self._start()
+            self._jobs.put(job)
 
     def shutdown(self) -> None:
         """Stop the thread once its queued jobs are done, and wait for it. :meth:`hand` starts a new one."""
-        _stop(self._jobs, self._thread, join=True)
+        _stop(self._jobs, self._thread, self._guard, join=True)
 
 
 class AsyncSaver:
@@ -137,24 +147,33 @@ class AsyncSaver:
         self.writer = writer
         self.name = name
         self.staging = StagingBuffers()
+        # the unreported failure, in a cell shared with a finalizer: a saver dropped unchecked still reports it
+        self._failure: list[BaseException | None] = [None]
+        weakref.finalize(self, _report_unchecked, self._failure).atexit = False  # at exit: _wait_at_exit
+        self._fresh_threads()
+        _live.add(self)
+
+    def _fresh_threads(self) -> None:
+        """The writer thread and what synchronises with it: new ones (also in a forked child, where the parent's
+        thread does not exist and its locks may be held by threads that do not exist either)."""
         self._worker = ParkedThread("ranksafe-async-save")
         self._idle = threading.Event()  # set while no write is queued or running
         self._idle.set()
-        self._error: BaseException | None = None
         self._submitting = threading.Lock()  # one snapshot at a time, whatever the calling thread
+        self._submitter: int | None = None  # the thread inside submit(): a signal handler there must not wait
+        self._handing = False  # between _idle.clear() and the job reaching the writer thread
         self._error_lock = threading.Lock()  # the writer thread records, check() takes: never lose one
-        _live.add(self)
 
     # -- local ---------------------------------------------------------------------------------------
     @property
     def failed(self) -> bool:
         """Whether a background write (or a snapshot) failed and :meth:`check` has not reported it yet. Local."""
-        return self._error is not None
+        return self._failure[0] is not None
 
     @property
     def error(self) -> BaseException | None:
         """The unreported failure of this rank, if any."""
-        return self._error
+        return self._failure[0]
 
     @property
     def in_flight(self) -> bool:
@@ -188,24 +207,54 @@ class AsyncSaver:
         self._not_from_writer_thread("submit")
         if not is_writer(self.writer):
             return False
-        with self._submitting:
-            if self.in_flight:
-                if self.policy == "skip":
-                    return False
-                self._idle.wait()
-            try:
-                if self.lock is None:
-                    captured = self.staging.capture(state)
-                else:
-                    with self.lock.read():
-                        captured = self.staging.capture(state)
-            except Exception as e:  # reported on every rank by the next check(), like a failed write
-                self._record(e)
-                return False
-            callbacks = [cb for cb in (self.on_commit, on_commit) if cb is not None]
-            self._idle.clear()
-            self._worker.hand(functools.partial(self._write, captured, write_fn, callbacks))
+        callbacks = [cb for cb in (self.on_commit, on_commit) if cb is not None]
+        if self._submitter == threading.get_ident():
+            self._write_now(state, write_fn, callbacks)
             return True
+        with self._submitting:
+            self._submitter = threading.get_ident()
+            try:
+                return self._submit(state, write_fn, callbacks)
+            finally:
+                self._submitter = None
+
+    def _submit(self, state: Any, write_fn: Callable[[Any], Any], callbacks: list[OnCommit]) -> bool:
+        if self.in_flight:
+            if self.policy == "skip":
+                return False
+            self._idle.wait()
+        try:
+            if self.lock is None:
+                captured = self.staging.capture(state)
+            else:
+                with self.lock.read():
+                    captured = self.staging.capture(state)
+        except Exception as e:  # reported on every rank by the next check(), like a failed write
+            self._record(e)
+            return False
+        self._handing = True
+        self._idle.clear()
+        try:
+            self._worker.hand(functools.partial(self._write, captured, write_fn, callbacks))
+        except BaseException:  # no thread to run it (e.g. at interpreter shutdown): nothing is in flight
+            self._idle.set()
+            raise
+        finally:
+            self._handing = False
+        return True
+
+    def _write_now(self, state: Any, write_fn: Callable[[Any], Any], callbacks: list[OnCommit]) -> None:
+        """A save made while this very thread is inside :meth:`submit`: a signal handler (Lightning's SLURM
+        requeue handler saves a checkpoint from one). Waiting for the lock would wait forever, so the state is
+        written now, on this thread, straight from the live tensors (training is paused in the handler), after
+        the write in flight (if one was handed: it holds older state, and must not commit over this one).
+        The staging buffers are not touched: the interrupted snapshot may be half-way through them. Errors are
+        raised here, as by a synchronous save."""
+        if not self._handing:
+            self._idle.wait()
+        result = write_fn(state)
+        for cb in callbacks:
+            cb(result)
 
     def _not_from_writer_thread(self, call: str) -> None:
         """Refuse a call that waits for the write in flight when it comes from that write (an ``on_commit``
@@ -228,8 +277,8 @@ class AsyncSaver:
 
     def _record(self, e: BaseException) -> None:
         with self._error_lock:
-            if self._error is None:  # the first failure is the cause; later ones usually follow from it
-                self._error = e
+            if self._failure[0] is None:  # the first failure is the cause; later ones usually follow from it
+                self._failure[0] = e
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the write in flight (if any) is committed or failed; False on timeout. Local.
@@ -259,8 +308,14 @@ class AsyncSaver:
     def take_error(self) -> BaseException | None:
         """This rank's unreported failure, now marked as reported; local. :func:`check_savers` shares it."""
         with self._error_lock:
-            err, self._error = self._error, None
+            err, self._failure[0] = self._failure[0], None
         return err
+
+    def _put_back(self, err: BaseException) -> None:
+        """Mark ``err`` unreported again (its exchange failed), unless a newer failure took its place."""
+        with self._error_lock:
+            if self._failure[0] is None:
+                self._failure[0] = err
 
     def warmup(self, example_state: Any, directory: str | os.PathLike) -> None:
         """Allocate the staging buffers and try a write in ``directory`` before training; collective.
@@ -296,10 +351,14 @@ class AsyncSaver:
                     )
 
     def close(self) -> None:
-        """Wait for the write in flight, stop the writer thread, then :meth:`check`; collective. Call it at
-        the end of training. The saver stays usable: a later save starts its thread again."""
+        """Wait for the write in flight, stop the writer thread, then check as :meth:`check` does; collective.
+        Call it at the end of training. The saver stays usable: a later save starts its thread again.
+
+        Its exchange is named apart from :meth:`check`'s: a rank that stopped early (and closes) while another
+        checks at its next step is a :class:`~ranksafe.CollectiveMismatch` on both, not a pair that goes on."""
         self.shutdown()
-        self.check()
+        self._not_from_writer_thread("close")
+        check_savers([self], self.name, point="close")
 
     def __enter__(self) -> AsyncSaver:
         return self
@@ -311,27 +370,60 @@ class AsyncSaver:
             self.shutdown()
 
 
-def check_savers(savers: Iterable[AsyncSaver], name: str = "async save") -> None:
+def check_savers(savers: Iterable[AsyncSaver], name: str = "async save", point: str = "check") -> None:
     """:meth:`AsyncSaver.check` for several savers at the price of one exchange; collective.
 
     Raises :class:`~ranksafe.RankFailure` on every rank if a background write of any of them failed on any
     rank. One failure per call is reported (the first saver's); another saver's stays pending for the next.
+    ``point`` names where in training the check is (``check``, ``close``): ranks at different points mismatch.
+    When the exchange itself fails (a rank missing, ranks elsewhere), the failure taken for it stays pending.
     """
-    err = None
+    err, owner = None, None
     for saver in savers:
         err = saver.take_error()
         if err is not None:
+            owner = saver
             break
-    share_outcome(f"{name}: check", err)
+    try:
+        share_outcome(f"{name}: {point}", err)
+    except (BarrierTimeout, CollectiveMismatch):
+        if owner is not None:
+            owner._put_back(err)
+        raise
 
 
-@atexit.register
+def _report_unchecked(failure: list[BaseException | None]) -> None:
+    """Print a failure nobody checked (its saver was dropped, or the process exits)."""
+    err, failure[0] = failure[0], None
+    if err is not None:
+        print(f"ranksafe: a background checkpoint write failed: {err!r}", file=sys.stderr)
+
+
 def _wait_at_exit() -> None:
-    """No checkpoint in flight is lost when the interpreter exits; an unreported failure is printed.
+    """No checkpoint in flight is lost when the process exits; an unreported failure is printed (once).
 
     The writer threads are stopped and joined here, before the interpreter finalizes (see :class:`ParkedThread`).
+    Runs from ``atexit`` and from multiprocessing's exit handlers: a process that multiprocessing forked ends
+    with ``os._exit``, which skips ``atexit``.
     """
     for saver in list(_live):
         saver.shutdown()
-        if saver.failed:
-            print(f"ranksafe: a background checkpoint write failed: {saver.error!r}", file=sys.stderr)
+        _report_unchecked(saver._failure)
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has none of the parent's threads: every saver gets its own, and nothing in flight (the
+    parent's write is the parent's)."""
+    for saver in list(_live):
+        saver._fresh_threads()
+
+
+def _exit_hook_in_process_child(_: object) -> None:
+    """In a process multiprocessing forked (its registry of exit handlers starts empty): wait at its exit too."""
+    multiprocessing.util.Finalize(None, _wait_at_exit, exitpriority=100)
+
+
+atexit.register(_wait_at_exit)
+os.register_at_fork(after_in_child=_after_fork_in_child)
+_FORK_HOOK_OWNER = threading.Event()  # any long-lived object: multiprocessing keeps its after-fork hooks by weakref
+multiprocessing.util.register_after_fork(_FORK_HOOK_OWNER, _exit_hook_in_process_child)

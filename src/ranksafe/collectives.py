@@ -60,7 +60,8 @@ class _Session:
         self.prefix = f"ranksafe/{(ticket - 1) // self.world}/"
         self.abort_key = f"{self.prefix}abort"
         self.seq = 0
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # one exchange at a time in this process, whatever the thread
+        self.inside: tuple[int, str] | None = None  # (thread ident, name) of the exchange holding the lock
         self.hosts: list[str] = []
         self.readers = 0  # on main: how many ranks will read the last posted result (those that posted)
 
@@ -85,7 +86,7 @@ class _Session:
 
 
 _session: _Session | None = None
-_session_lock = threading.Lock()
+_session_lock = threading.RLock()  # re-entrant: see _refuse_nesting
 
 
 @atexit.register
@@ -120,12 +121,38 @@ def _get_session(timeout: float | None, what: str | None = None) -> _Session | N
         return _session
 
 
+def _refuse_nesting(s: _Session, name: str) -> None:
+    """Raise, instead of deadlocking, when this thread is already inside an exchange.
+
+    Only a signal handler can get here (Lightning saves a checkpoint from its SLURM requeue handler): it runs
+    on the thread it interrupted, which holds the lock and waits for the other ranks, so taking the lock again
+    would wait forever; and the ranks, each interrupted at a different point, would pair different collectives.
+    """
+    inside = s.inside
+    if inside is not None and inside[0] == threading.get_ident():
+        raise RuntimeError(
+            f"ranksafe: collective {name!r} started while this thread is inside collective {inside[1]!r} (from a "
+            "signal handler?): its ranks could never meet; set a flag in the handler and act on it in the "
+            "training loop"
+        )
+
+
+@contextlib.contextmanager
+def _inside(s: _Session, name: str) -> Iterator[None]:
+    s.inside = (threading.get_ident(), name)
+    try:
+        yield
+    finally:
+        s.inside = None
+
+
 def _exchange_in(
     s: _Session, name: str, value: Any, reduce: Callable[[list], Any], timeout: float | None, what: str | None = None
 ):
     what = what or name
     timeout = default_timeout() if timeout is None else float(timeout)
-    with s.lock:
+    _refuse_nesting(s, name)
+    with s.lock, _inside(s, name):
         s.seq += 1
         seq = s.seq
         rank_keys, result_key, read_key = s.keys(seq)

@@ -228,7 +228,7 @@ class RankSafeCheckpointIO(CheckpointIO):
         if self.async_save and not self._agreed_check and self._saver is not None and self._saver.failed:
             if topology.world_size() == 1:
                 self._saver.check()  # one process: raises the original error and marks it reported
-            raise self._saver.error  # type: ignore[misc]  # other ranks may be gone: no collective here
+            raise self._saver.take_error()  # type: ignore[misc]  # other ranks may be gone: no collective here
 
     def _attach(self) -> None:
         """Called by RankSafe at setup: a run begins (saves are asynchronous again) and RankSafe checks."""
