@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("fastai")
 
 import torch
-from fastai.tabular.all import Callback, Learner, MSELossFlat
+from fastai.tabular.all import Callback, CancelBatchException, Learner, MSELossFlat
 from fastai.torch_core import set_seed
 
 import ranksafe
@@ -54,10 +54,10 @@ def _learner(root, seed, cb) -> Learner:
     return Learner(tabular_dls(root), Lin(), loss_func=MSELossFlat(), path=root, cbs=cb)
 
 
-def _fit(learn, n) -> Watch:
+def _fit(learn, n, *cbs: Callback) -> Watch:
     watch = Watch()
     with learn.no_bar(), learn.no_logging(), learn.distrib_ctx(sync_bn=False):
-        learn.fit(n, 1e-2, cbs=watch)
+        learn.fit(n, 1e-2, cbs=[watch, *cbs])
     return watch
 
 
@@ -212,3 +212,132 @@ def test_one_process_mixin_async_resume_export_and_validate_inside_fit(tmp_path)
     with again.no_bar(), again.no_logging():
         watch = _fit(again, 1)  # resume is one-shot: the next fit starts at epoch 0
     assert watch.trained == [0]
+
+
+class CancelBatchAfterStep(Callback):
+    """Cancels one batch per epoch in after_step, before RankSafe's after_step (order 55) could run."""
+
+    order, cancelled = 10, 0
+
+    def after_step(self):
+        if self.iter == 2:
+            self.cancelled += 1
+            raise CancelBatchException()
+
+
+def _read_elsewhere(lock, timeout: float) -> bool:
+    """Whether another thread (where a background snapshot runs) can take the read side within ``timeout``."""
+    got = []
+
+    def read():
+        if lock.acquire_read(timeout=timeout):
+            got.append(True)
+            lock.release_read()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    reader.join(timeout + 5)
+    return got == [True]
+
+
+def test_cancelled_batch_after_the_step_leaves_the_state_lock_free(tmp_path):
+    """fastai skips RankSafe's after_step for a batch cancelled there: the write side must not stay held."""
+    cb = RankSafe(checkpoint_dir="ckpt", keep=None, async_save=True)
+    learn, cancel = _learner(tmp_path, 0, cb), CancelBatchAfterStep()
+    with learn.no_bar(), learn.no_logging():
+        learn.fit(2, 1e-2, cbs=cancel)
+    assert cancel.cancelled == 2 and _read_elsewhere(cb.state_lock, 2)
+    assert _committed(tmp_path / "ckpt") == [0, 1] and _saver_threads() == []
+    assert torch.equal(cb.manager.load()["model"]["l.weight"].flatten(), torch.tensor(params(learn)[:3]))
+    with learn.no_bar(), learn.no_logging():
+        learn.fit(1, 1e-2, cbs=cancel)  # the next fit's steps take and give back the lock as before
+    assert cancel.cancelled == 3 and _read_elsewhere(cb.state_lock, 2)
+
+
+def _saved(root, step: int) -> dict:
+    return ranksafe.load_file(os.path.join(root, f"step_{step:08d}", "state.pt"))
+
+
+def _weights(state: dict) -> list[float]:
+    return torch.cat([state["model"]["l.weight"].flatten(), state["model"]["l.bias"].flatten()]).tolist()
+
+
+@pytest.mark.parametrize(("async_save", "keep", "steps"), [(False, None, [0, 1, 2, 3, 4]), (True, 2, [3, 4])])
+def test_two_fits_number_their_checkpoints_one_after_the_other(tmp_path, async_save, keep, steps):
+    """The fine_tune pattern (a frozen fit, then an unfrozen one) with one RankSafe: no step number is reused."""
+    cb = RankSafe(checkpoint_dir="ckpt", keep=keep, async_save=async_save)
+    learn = _learner(tmp_path, 0, cb)
+    _fit(learn, 3)
+    _fit(learn, 2)
+    assert _committed(tmp_path / "ckpt") == steps and cb.manager.latest() == 4
+    saved = [_saved(tmp_path / "ckpt", step) for step in steps]
+    expected = [(0, 0, 0), (0, 1, 0), (0, 2, 0), (1, 0, 3), (1, 1, 3)][-len(steps) :]  # fit, epoch, first step
+    assert [(s["fit"], s["epoch"], s["step_base"]) for s in saved] == expected
+    assert _weights(saved[-1]) == params(learn)  # latest() is the end of training
+
+
+class Interrupted(Exception):
+    """The job was killed."""
+
+
+class Crash(Callback):
+    """Interrupts the run at the start of epoch ``at``, after the previous epoch's checkpoint."""
+
+    order = 90
+
+    def __init__(self, at: int):
+        self.at = at
+
+    def before_epoch(self):
+        if self.epoch == self.at:
+            raise Interrupted(f"killed at epoch {self.epoch}")
+
+
+def test_rerun_of_two_fits_skips_the_finished_fit_and_resumes_the_second(tmp_path):
+    """A killed two-fit script run again with resume=True ends where the uninterrupted run does.
+
+    The tabular loader shuffles with NumPy's global generator, which the checkpoint restores: the resumed
+    epoch sees the same batches, so the final weights are equal, not just close.
+    """
+    reference = _learner(tmp_path, 0, RankSafe(checkpoint_dir="reference"))
+    _fit(reference, 3)
+    _fit(reference, 2)
+
+    # the first run: fit(3) completes, fit(2) is killed after its epoch 0 was saved (step 3)
+    run = _learner(tmp_path, 0, RankSafe(checkpoint_dir="ckpt", keep=2))
+    _fit(run, 3)
+    with pytest.raises(Interrupted):
+        _fit(run, 2, Crash(at=1))
+    assert _committed(tmp_path / "ckpt") == [2, 3]
+    killed_at = _weights(_saved(tmp_path / "ckpt", 3))
+
+    # the same script again, resuming (other initial weights: what it ends with comes from the checkpoint)
+    cb = RankSafe(checkpoint_dir="ckpt", keep=2, resume=True)
+    again = _learner(tmp_path, 1, cb)
+    start = params(again)
+    first = _fit(again, 3)
+    assert first.trained == [] and params(again) == start and cb.resume_pending  # done before: skipped whole
+    second = _fit(again, 2)
+    assert second.trained == [1] and second.start == killed_at and not cb.resume_pending
+    assert params(again) == params(reference) != start
+    assert _committed(tmp_path / "ckpt") == [3, 4]
+    last = _saved(tmp_path / "ckpt", 4)
+    assert (last["fit"], last["epoch"], last["step_base"]) == (1, 1, 3)
+
+
+def test_resume_in_the_process_whose_fit_failed_continues_that_fit(tmp_path):
+    """``learn.resume()`` and ``fit`` again after a crash, without restarting: the fit continues, it does not
+    count as a later fit of the run (which would find its checkpoint "older" and start afresh)."""
+    reference = _learner(tmp_path, 0, RankSafe(checkpoint_dir="reference"))
+    _fit(reference, 3)
+
+    cb = RankSafe(checkpoint_dir="ckpt", keep=2)
+    run = _learner(tmp_path, 0, cb)
+    with pytest.raises(Interrupted):
+        _fit(run, 3, Crash(at=2))
+    again = _fit(run.resume(), 3)
+    assert again.trained == [2] and not cb.resume_pending
+    assert params(run) == params(reference)
+    assert _committed(tmp_path / "ckpt") == [1, 2]
+    last = _saved(tmp_path / "ckpt", 2)
+    assert (last["fit"], last["epoch"], last["step_base"]) == (0, 2, 0)

@@ -18,10 +18,17 @@ While attached to a Learner it gives that Learner (that instance only, never the
   after every rank has loaded it.
 * **checkpoints** (``RankSafe(checkpoint_dir="ckpt")``, relative to ``learn.path``): every ``every`` epochs
   the resumable training state (:mod:`ranksafe.fastai.training_state`) goes into a step directory of a
-  :class:`~ranksafe.CheckpointManager`, numbered by epoch, ``keep`` of them kept. ``learn.resume()`` (or
-  ``RankSafe(resume=True)``) makes the next ``fit`` start from the newest step every rank has: weights,
-  optimizer, random generators and recorded values are restored, and fastai's ``SkipToEpoch`` skips the
-  epochs already done (the learning-rate schedule of ``fit_one_cycle`` continues where it was). With
+  :class:`~ranksafe.CheckpointManager`, ``keep`` of them kept. Steps grow across fits: a fit numbers its
+  epochs from the step after the newest one committed when it starts (the first fit into an empty directory
+  from 0), so that the second fit of ``fine_tune`` (or any later ``fit``) neither replaces the first one's
+  checkpoints nor has retention delete its own, and the newest step is always the end of training so far.
+  ``learn.resume()`` (or ``RankSafe(resume=True)``) makes the next ``fit`` continue from the newest step
+  every rank has: weights, optimizer, random generators and recorded values are restored, and fastai's
+  ``SkipToEpoch`` skips the epochs already done (the learning-rate schedule of ``fit_one_cycle`` continues
+  where it was). Each checkpoint records which fit of the run wrote it (0 for the callback's first
+  checkpointing fit in the process, 1 for the next, ...), so a script with several fits can be run again
+  from its first line with ``resume=True``: the fits its newest checkpoint shows finished are skipped whole,
+  nothing restored, and the resume waits for the fit that wrote it. With
   ``async_save=True`` the state is snapshotted at the end of the epoch and written while the next one
   trains; the optimizer step holds the write side of :attr:`RankSafe.state_lock`, and a failed background
   write is raised on every rank at the next epoch start, through the barrier that is there anyway.
@@ -54,7 +61,7 @@ from ..snapshot import StateDictLock
 from ..storage import Storage
 from .cpu import prepare_distributed
 from .learner import LEARNER_METHODS, NEW_METHODS, RankSafeLearner, opens_fit
-from .training_state import STATE, restore, rng_file, rng_state, set_rng_state, training_state
+from .training_state import FIT, STATE, STEP_BASE, restore, rng_file, rng_state, set_rng_state, training_state
 
 _WRAPPED = "_ranksafe_wrapped"
 
@@ -112,8 +119,11 @@ def _lr_finder_after_fit(self: LRFinder) -> None:
         _unwrap_events(self)
 
 
-_TRANSIENT = ("_installed", "_manager", "_lock", "_skip", "_active", "_trained", "_holding", "_depth", "_history")
-"""RankSafe's attributes that belong to one attachment or one fit: never pickled with an exported Learner."""
+_TRANSIENT = (
+    "_installed", "_manager", "_lock", "_skip", "_active", "_trained", "_holding", "_depth", "_history", "_fits",
+    "_ordinal", "_base",
+)  # fmt: skip
+"""RankSafe's attributes that belong to one attachment, process or fit: never pickled with an exported Learner."""
 
 
 class RankSafe(Callback):
@@ -130,7 +140,8 @@ class RankSafe(Callback):
         async_save: write each checkpoint in the background while the next epoch trains.
         storage: ``"auto"``, ``"shared"`` or ``"local"``: see :class:`~ranksafe.CheckpointManager`.
         resume: the first ``fit`` continues from the newest checkpoint, if there is one (as
-            ``learn.resume()`` does for the next ``fit``).
+            ``learn.resume()`` does for the next ``fit``); if a later fit of the run wrote it, the fits
+            before that one are skipped and the fit that wrote it continues.
     """
 
     order = 55  # after Recorder (50) has recorded the epoch; before CSVLogger, LRFinder, trackers (60+)
@@ -145,6 +156,9 @@ class RankSafe(Callback):
     _holding = False  # the optimizer step holds the write side of the lock
     _depth = 0  # before_fit events seen in this fit minus after_fit events (validate inside fit nests)
     _history: tuple | list = ()  # recorded values of the epochs a resumed fit skips
+    _fits = 0  # checkpointing fits this callback began in this process: the ordinal of the next one
+    _ordinal = 0  # this fit's ordinal, recorded in its checkpoints (a re-run script finds its place with it)
+    _base = 0  # the step of this fit's epoch 0: after every step of the earlier fits
 
     def __init__(
         self,
@@ -244,20 +258,41 @@ class RankSafe(Callback):
             return
         object.__setattr__(self, "_active", True)
         object.__setattr__(self, "_depth", 1)
+        object.__setattr__(self, "_history", ())
+        object.__setattr__(self, "_ordinal", self._fits)
+        object.__setattr__(self, "_fits", self._fits + 1)
         if self._manager is None:
             root = Path(self.learn.path) / self.checkpoint_dir
             manager = CheckpointManager(root, self.keep, self.storage, async_save=self.async_save, lock=self.state_lock)
             object.__setattr__(self, "_manager", manager)
+        newest = self._manager.latest()  # agreed: every rank numbers this fit's steps alike
+        object.__setattr__(self, "_base", 0 if newest is None else newest + 1)
         if self.resume_pending:
-            self.resume_pending = False
-            self._resume()
+            self._resume(newest)
 
-    def _resume(self) -> None:
-        """Load the newest common step into the model, optimizer and generators; skip the epochs it holds."""
+    def _resume(self, newest: int | None) -> None:
+        """Continue this fit from step ``newest``, or skip the whole fit if a later fit of the run wrote it.
+
+        A re-run script runs its fits again from the first one, and the checkpoint names the fit that wrote
+        it. A later fit: this one had finished, so all its epochs are skipped, nothing is restored, and the
+        resume stays pending for the next fit. This fit: it continues after the saved epoch, its steps
+        numbered as before. An earlier fit (``learn.resume()`` then ``fit`` again in the process whose fit
+        failed): this fit takes that one's place and continues it. A checkpoint without the ordinal (written
+        before it was recorded) counts as this fit's.
+        """
         mgr = self._manager
-        if mgr.latest() is None:
+        if newest is None:
+            self.resume_pending = False
             return  # nothing saved yet: a fresh start
-        state = mgr.load()
+        state = mgr.load(newest)
+        writer = state.get(FIT, self._ordinal)
+        if writer > self._ordinal:
+            self._skip_to(self.learn.n_epoch)
+            return
+        self.resume_pending = False
+        if writer < self._ordinal:  # ``learn.resume()`` after a failed fit, in the same process: continue that one
+            object.__setattr__(self, "_ordinal", writer)
+            object.__setattr__(self, "_fits", writer + 1)
         rng = os.path.join(mgr.step_dir(mgr.loaded_step), rng_file(topology.rank()))
         with together("fastai: resume", what=f"resume from {mgr.step_dir(mgr.loaded_step)}"):
             restore(self.learn, state)
@@ -265,8 +300,13 @@ class RankSafe(Callback):
                 set_rng_state(load_file(rng))
             else:
                 warnings.warn(f"{rng} does not exist: random generators not restored", RuntimeWarning, stacklevel=2)
+        object.__setattr__(self, "_base", state.get(STEP_BASE, mgr.loaded_step - state["epoch"]))
         object.__setattr__(self, "_history", state["recorder"])
-        skip = SkipToEpoch(state["epoch"] + 1)
+        self._skip_to(state["epoch"] + 1)
+
+    def _skip_to(self, epoch: int) -> None:
+        """Have fastai skip this fit's epochs before ``epoch`` (undone at the end of the fit)."""
+        skip = SkipToEpoch(epoch)
         object.__setattr__(self, "_skip", skip)
         self.learn.add_cb(skip)
 
@@ -287,8 +327,11 @@ class RankSafe(Callback):
         object.__setattr__(self, "_trained", True)
 
     def before_step(self) -> None:
-        """Hold the write side of :attr:`state_lock` during the optimizer step (async saves only)."""
-        if self._checkpointing and self.async_save:
+        """Hold the write side of :attr:`state_lock` during the optimizer step (async saves only).
+
+        Once: the lock is re-entrant, and a second hold would outlive the single release of the batch.
+        """
+        if self._checkpointing and self.async_save and not self._holding:
             self.state_lock.acquire_write()
             object.__setattr__(self, "_holding", True)
 
@@ -296,13 +339,27 @@ class RankSafe(Callback):
         """Release the write side: a background snapshot may read the weights again."""
         self._release()
 
+    def after_batch(self) -> None:
+        """Release the write side if ``after_step`` did not run.
+
+        A callback before this one that cancels the batch in its ``after_step`` makes fastai skip the rest
+        of ``after_step``; ``after_batch`` runs for a cancelled batch too.
+        """
+        self._release()
+
     def _release(self) -> None:
+        """Give back the write side if this thread holds it for the optimizer step."""
         if self._holding:
             object.__setattr__(self, "_holding", False)
             self.state_lock.release_write()
 
     def after_epoch(self) -> None:
-        """Every rank takes rank 0's record of this epoch, before any tracker reads it; then the checkpoint."""
+        """Every rank takes rank 0's record of this epoch, before any tracker reads it; then the checkpoint.
+
+        The write side is released first: a train or epoch cancelled in an earlier callback's ``after_step``
+        skips both ``after_step`` and ``after_batch``, and no optimizer step runs from here to the next batch.
+        """
+        self._release()
         recorder = getattr(self.learn, "recorder", None)
         checkpointing = self._checkpointing
         if checkpointing and not self._trained and recorder is not None and self.epoch < len(self._history):
@@ -312,7 +369,8 @@ class RankSafe(Callback):
             agreed = broadcast(list(recorder.values[-1]), name="fastai: epoch record")
             recorder.values[-1] = self.learn.final_record = L(agreed)
         if checkpointing and self._trained and (self.epoch + 1) % self.every == 0:
-            with self._manager.saving(self.epoch, {STATE: training_state(self.learn)}) as tx:
+            state = training_state(self.learn, fit=self._ordinal, step_base=self._base)
+            with self._manager.saving(self._base + self.epoch, {STATE: state}) as tx:
                 tx.save(rng_state(), rng_file(topology.rank()))
 
     def after_fit(self) -> None:

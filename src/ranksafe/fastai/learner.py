@@ -390,7 +390,8 @@ def learner_resume(self: Learner, resume: bool = True) -> Learner:
 
     Needs ``RankSafe(checkpoint_dir=...)``. Local (every rank calls it, as every rank calls ``fit``); the
     checkpoint is read at the start of the ``fit``: ``learn.resume().fit_one_cycle(10)``. Without any
-    checkpoint yet the fit starts from scratch.
+    checkpoint yet the fit starts from scratch. In a script with several fits (``fine_tune``) run again from
+    its start, the fits the checkpoint shows finished are skipped and the one that wrote it continues.
     """
     from .callback import RankSafe
 

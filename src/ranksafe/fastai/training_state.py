@@ -1,7 +1,9 @@
 """What a fastai run needs to continue where it stopped, and how it goes back in.
 
 A checkpoint of :class:`~ranksafe.fastai.RankSafe` holds, in ``state.pt`` (written once): the model's
-``state_dict``, the optimizer's state, the epoch just completed and the Recorder's values; and one file per
+``state_dict``, the optimizer's state, the epoch just completed, the Recorder's values and where the fit
+stands in the run (which fit of the script wrote it, and the step number of that fit's epoch 0, so that a
+re-run of a script with several fits knows which one to continue); and one file per
 rank (``rng-00000.pt``, ...) with that rank's random generators (Python, NumPy, torch, CUDA), so that a
 resumed run draws the same augmentations and dropout masks as the uninterrupted one would. Everything is
 plain tensors and built-in types: it loads with ``weights_only=True``.
@@ -19,6 +21,8 @@ from fastai.torch_core import get_model
 from fastcore.foundation import L
 
 STATE = "state.pt"
+FIT, STEP_BASE = "fit", "step_base"
+"""Keys of :func:`training_state`: the ordinal of the fit that wrote it; the step number of its epoch 0."""
 
 
 def rng_file(rank: int) -> str:
@@ -31,8 +35,12 @@ def _plain(x: Any) -> Any:
     return x.item() if isinstance(x, (np.generic, torch.Tensor)) and x.ndim == 0 else x
 
 
-def training_state(learn: Learner) -> dict[str, Any]:
-    """The state written once per checkpoint: model, optimizer, completed epoch, recorded values."""
+def training_state(learn: Learner, fit: int = 0, step_base: int = 0) -> dict[str, Any]:
+    """The state written once per checkpoint: model, optimizer, completed epoch, recorded values.
+
+    ``fit`` (the ordinal of the fit in the run) and ``step_base`` (the step of that fit's epoch 0) are
+    recorded too: a checkpoint written before them lacks both keys.
+    """
     recorder = getattr(learn, "recorder", None)
     values = [] if recorder is None else [[_plain(x) for x in v] for v in recorder.values]
     opt = learn.opt.state_dict()
@@ -41,6 +49,8 @@ def training_state(learn: Learner) -> dict[str, Any]:
         "opt": {**opt, "hypers": [dict(h) for h in opt["hypers"]]},  # fastcore's L would need a full unpickler
         "epoch": learn.epoch,
         "recorder": values,
+        FIT: fit,
+        STEP_BASE: step_base,
     }
 
 
