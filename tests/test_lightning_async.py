@@ -404,3 +404,36 @@ def test_a_failure_raised_by_teardown_is_not_reported_again_at_exit(tmp_path):
     r0, r1 = run_ranks(_teardown_reports_once, 2, args=(str(tmp_path),), timeout=90).values
     assert r0["teardown"] == "OSError" and r1["teardown"] == "no error"
     assert r0["exit_hook"] == "" == r1["exit_hook"]  # was: the same failure printed a second time at exit
+
+
+class SlowIO(RankSafeCheckpointIO):
+    """Each background write takes longer than a training step."""
+
+    def _write(self, checkpoint, path):
+        time.sleep(0.3)
+        super()._write(checkpoint, path)
+
+
+class LoggedModel(Model):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss)
+        return loss
+
+
+def test_a_file_still_being_written_counts_as_existing_when_model_checkpoint_picks_a_name(tmp_path):
+    """ModelCheckpoint with a fixed filename names each new save ``ckpt-vN`` when the name is taken; a save in
+    flight must take it too, or the next save reuses its name and overwrites it."""
+    versions = ModelCheckpoint(
+        dirpath=tmp_path, filename="ckpt", monitor="train_loss", save_top_k=-1, every_n_train_steps=1
+    )
+    trainer = pl.Trainer(
+        max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[RankSafe(), versions], plugins=[SlowIO(async_save=True)],
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(24, 4, generator=g), torch.randn(24, 1, generator=g))
+    trainer.fit(LoggedModel(step_time=0), torch.utils.data.DataLoader(data, batch_size=4))
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["ckpt-v1.ckpt", "ckpt-v2.ckpt", "ckpt-v3.ckpt", "ckpt-v4.ckpt", "ckpt-v5.ckpt", "ckpt.ckpt"]
+    assert len(versions.best_k_models) == 6  # was: 3 files, each written twice over

@@ -138,6 +138,24 @@ def _wrap_once(obj: Any, method: str, wrap: Callable[[Callable], Callable]) -> N
         setattr(obj, method, wrap(getattr(obj, method)))
 
 
+def _counting_writes_in_flight(checkpoint: ModelCheckpoint, io: RankSafeCheckpointIO) -> Callable[[Callable], Callable]:
+    """``ModelCheckpoint.file_exists`` that counts a file still being written in the background as existing.
+
+    ModelCheckpoint names a new version (``ckpt-v1.ckpt``) when the name it wants exists; with background writes
+    the previous file does not exist yet when the next save asks, so the next save took the same name and
+    overwrote it. Same collective as Lightning's: rank 0 (the writer) decides, every rank learns the answer.
+    """
+
+    def wrap(_: Callable) -> Callable:
+        def file_exists(filepath: Any, trainer: pl.Trainer) -> bool:
+            mine = trainer.is_global_zero and (io.writing(filepath) or checkpoint._fs.exists(filepath))
+            return trainer.strategy.reduce_boolean_decision(bool(mine), all=False)
+
+        return file_exists
+
+    return wrap
+
+
 def _holding(locks: list[StateDictLock]) -> Callable[[Callable], Callable]:
     """``optimizer_step`` wrapped in the write side of ``locks``: no snapshot sees weights mid-update."""
 
@@ -266,6 +284,10 @@ class RankSafe(Callback):
             _wrap_once(trainer.strategy, "optimizer_step", _holding(locks))
         if self.resume:
             _wrap_once(trainer._checkpoint_connector, "_restore_modules_and_callbacks", self._resuming(trainer))
+        if self._io is not None and self._io.async_save:
+            for cb in trainer.checkpoint_callbacks:
+                if isinstance(cb, ModelCheckpoint):
+                    _wrap_once(cb, "file_exists", _counting_writes_in_flight(cb, self._io))
         if not _shared():
             return
         for cb in trainer.callbacks:

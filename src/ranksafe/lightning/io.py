@@ -186,6 +186,11 @@ class RankSafeCheckpointIO(CheckpointIO):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
         return load_file(path, map_location=map_location, weights_only=True if weights_only is None else weights_only)
 
+    def writing(self, path: _PATH) -> bool:
+        """Whether a background write to ``path`` is in flight (the file is not there yet). Local."""
+        flight = self._last
+        return flight is not None and flight.outcome == "running" and flight.path == os.path.abspath(_local_path(path))
+
     def remove_checkpoint(self, path: _PATH) -> None:
         """Remove ``path`` (a file or a directory); a missing path is not an error, as in stock Lightning.
 
