@@ -209,3 +209,16 @@ def _save_during_step(root, lock) -> list[float]:
 def test_a_lock_passed_in_makes_the_snapshot_wait_for_the_optimizer_step(tmp_path):
     assert _save_during_step(tmp_path / "locked", StateDictLock()) == [1.0]  # the whole step, never half of it
     assert _save_during_step(tmp_path / "control", None) == [0.0, 1.0]  # control: a torn, half-updated state
+
+
+def test_raw_extra_files_are_taken_in_every_bytes_form_as_by_a_synchronous_save(tmp_path):
+    blob = bytearray(b"tokenizer bytes")
+    for async_save in (False, True):
+        manager = ranksafe.CheckpointManager(tmp_path / str(async_save), async_save=async_save, storage="shared")
+        extra = {"a.bin": bytes(blob), "b.bin": blob, "c.bin": memoryview(blob)}
+        manager.save(0, {"w": torch.ones(2)}, extra_files=extra)  # was (async): memoryview cannot be deep-copied
+        blob[0:9] = b"XXXXXXXXX"  # changed after save() returned: the snapshot holds the bytes at save time
+        manager.close()
+        for name in extra:
+            assert (tmp_path / str(async_save) / "step_00000000" / name).read_bytes() == b"tokenizer bytes", name
+        blob[0:9] = b"tokenizer"

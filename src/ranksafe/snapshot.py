@@ -287,6 +287,8 @@ class _Walk:
             return self._tensor(obj)
         if kind is list:
             return [self._walk(v) for v in obj]
+        if kind is memoryview:  # raw bytes (a checkpoint's extra file): deepcopy cannot, a copy of its bytes can
+            return obj.tobytes()
         if isinstance(obj, Mapping):
             try:  # copy.copy keeps the mapping's type (OrderedDict from state_dict(), defaultdict) and attributes
                 return self._mapping(obj, copy.copy(obj))
