@@ -315,7 +315,8 @@ def test_rerun_of_two_fits_skips_the_finished_fit_and_resumes_the_second(tmp_pat
     cb = RankSafe(checkpoint_dir="ckpt", keep=2, resume=True)
     again = _learner(tmp_path, 1, cb)
     start = params(again)
-    first = _fit(again, 3)
+    with pytest.warns(RuntimeWarning, match="written by fit #1 of the run and this is fit #0: skipping"):
+        first = _fit(again, 3)
     assert first.trained == [] and params(again) == start and cb.resume_pending  # done before: skipped whole
     second = _fit(again, 2)
     assert second.trained == [1] and second.start == killed_at and not cb.resume_pending

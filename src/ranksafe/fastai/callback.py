@@ -287,6 +287,13 @@ class RankSafe(Callback):
         state = mgr.load(newest)
         writer = state.get(FIT, self._ordinal)
         if writer > self._ordinal:
+            warnings.warn(
+                f"resume: the newest checkpoint (step {newest}) was written by fit #{writer} of the run and this is "
+                f"fit #{self._ordinal}: skipping this fit, which that run had finished (resuming fit #{writer} "
+                "needs the fits before it to run first, as when the script is run again from its start)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             self._skip_to(self.learn.n_epoch)
             return
         self.resume_pending = False
