@@ -341,8 +341,7 @@ class AsyncSaver:
                     os.unlink(probe)
                     free = shutil.disk_usage(directory).free
                 except OSError as e:
-                    msg = f"cannot write checkpoints to {directory} (rank {topology.rank()}): {e.strerror or e}"
-                    raise type(e)(e.errno, msg) if e.errno is not None else type(e)(msg) from e
+                    raise error_naming_target(e, "cannot write checkpoints to", directory) from e
                 if free < self.staging.nbytes:
                     raise OSError(
                         errno.ENOSPC,

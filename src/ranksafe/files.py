@@ -78,14 +78,15 @@ def fsync_dir(path: str | os.PathLike) -> None:
 
 
 def _file_in_the_way(directory: str) -> str | None:
-    """The nearest existing ancestor of ``directory`` (itself included) when it is not a directory."""
+    """ "X is a file, not a directory" for the nearest existing ancestor X of ``directory`` (itself included)
+    when it is not a directory; None when it is one."""
     path = os.path.abspath(directory)
     while not os.path.exists(path):
         parent = os.path.dirname(path)
         if parent == path:
             return None
         path = parent
-    return None if os.path.isdir(path) else path
+    return None if os.path.isdir(path) else f"{path} is a file, not a directory"
 
 
 def make_dirs(directory: str | os.PathLike) -> str:
@@ -96,10 +97,10 @@ def make_dirs(directory: str | os.PathLike) -> str:
     try:
         os.makedirs(directory, exist_ok=True)
     except (FileExistsError, NotADirectoryError) as e:
-        blocker = _file_in_the_way(directory)
-        if blocker is None:
+        blocked = _file_in_the_way(directory)
+        if blocked is None:
             raise
-        raise NotADirectoryError(errno.ENOTDIR, f"{blocker} is a file, not a directory") from e
+        raise NotADirectoryError(errno.ENOTDIR, blocked) from e
     return directory
 
 
@@ -108,8 +109,7 @@ def _naming_target(e: OSError, target: str) -> OSError:
     reason = e.strerror or str(e)
     if e.errno in (errno.ENOENT, errno.ENOTDIR):
         directory = os.path.dirname(target)
-        blocker = _file_in_the_way(directory)
-        reason = f"{blocker} is a file, not a directory" if blocker else f"directory {directory} does not exist"
+        reason = _file_in_the_way(directory) or f"directory {directory} does not exist"
     return type(e)(e.errno, reason, target)
 
 
@@ -463,7 +463,7 @@ _DAMAGE = (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, KeyError,
 
 def _load_error(path: str, e: Exception, weights_only: bool) -> Exception:
     """What a failed ``torch.load`` of ``path`` means, named for the user (``e`` itself: pass it on)."""
-    if not _is_zip(path) and not _is_legacy_torch(path):
+    if _first_bytes(path) not in (_ZIP_START, _LEGACY_START):
         return CorruptCheckpoint(path, "not a torch checkpoint (neither a zip archive nor torch's legacy format)")
     if isinstance(e, pickle.UnpicklingError) and weights_only and "Weights only load failed" in str(e):
         lines = str(e).splitlines()
@@ -476,15 +476,11 @@ def _load_error(path: str, e: Exception, weights_only: bool) -> Exception:
     return CorruptCheckpoint(path, f"{type(e).__name__}: {detail}" if detail else type(e).__name__)
 
 
-def _is_zip(path: str) -> bool:
-    with open(path, "rb") as f:
-        return f.read(4) == _ZIP_START
-
-
 # torch's legacy (pre-zip) format opens with a pickled magic number: protocol 2, then a LONG1 of 10 bytes
 _LEGACY_START = b"\x80\x02\x8a\x0a"
 
 
-def _is_legacy_torch(path: str) -> bool:
+def _first_bytes(path: str) -> bytes:
+    """The 4 bytes that tell torch's two formats (:data:`_ZIP_START`, :data:`_LEGACY_START`) from other files."""
     with open(path, "rb") as f:
-        return f.read(4) == _LEGACY_START
+        return f.read(4)

@@ -434,16 +434,15 @@ class StagingBuffers:
     def _plan(self, tensors: list[torch.Tensor], sig: list) -> None:
         self._sig = None  # a plan that fails half-way must not be taken for the old one
         plain, others = [], []
-        first: dict[tuple, int] = {}  # a tensor's bytes and layout -> the first tensor with them
+        first: dict[tuple, int] = {}  # a signature (bytes and layout) -> the first tensor with it
         same: dict[int, int] = {}  # a tensor -> the earlier one it duplicates (tied weights from state_dict())
         for i, t in enumerate(tensors):
             if t.numel():
                 _check_in_storage(t, i)
-                key = sig[i][:4] + sig[i][5:]  # dtype, shape, strides, address, flags
-                if key in first and sig[i][4]:
-                    same[i] = first[key]
+                if sig[i] in first:
+                    same[i] = first[sig[i]]
                     continue
-                first[key] = i
+                first[sig[i]] = i
                 (plain if _plain_bytes(t) else others).append(i)
         runs = _runs(tensors, plain)
         cuda = [i for i in others if tensors[i].device.type == "cuda"]
