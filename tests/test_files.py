@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -208,9 +209,11 @@ def _writing_size(path, mode: str) -> int:
     return 0
 
 
-def _kill_mid_save(path, mode: str, runs: int) -> int:
-    """Save version k over a committed version k-1, SIGKILL mid-write, count the saves that destroyed it."""
-    torn, committed = 0, 0.0
+def _kill_mid_save(path, mode: str, runs: int) -> tuple[int, set[str]]:
+    """Save version k over a committed version k-1, SIGKILL mid-write. Returns how many saves destroyed the
+    committed file, and the temporaries the killed writers left (seen right after each kill: the next save
+    removes the temporaries of dead writers)."""
+    torn, left, committed = 0, set(), 0.0
     ranksafe.atomic_save({"w": torch.full((50 * 1024 * 1024 // 4,), committed)}, path)
     for k in range(1, runs + 1):
         proc = subprocess.Popen(
@@ -218,11 +221,12 @@ def _kill_mid_save(path, mode: str, runs: int) -> int:
         )
         assert proc.stdout.readline().strip() == "writing"
         # kill while the bytes are going out: once the file being written has grown past 1 MiB
-        for _ in range(20000):
-            if _writing_size(path, mode) > (1 << 20) or proc.poll() is not None:
-                break
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and proc.poll() is None and _writing_size(path, mode) <= (1 << 20):
+            time.sleep(0.0005)
         os.kill(proc.pid, 9)
         proc.wait()
+        left.update(_debris(path.parent))
         try:
             w = torch.load(path, weights_only=True)["w"]
             intact = float(w[-1]) in (committed, k) and bool(torch.all(w == w[-1]))
@@ -234,15 +238,16 @@ def _kill_mid_save(path, mode: str, runs: int) -> int:
             torn += 1
             committed = float(k)
             ranksafe.atomic_save({"w": torch.full((50 * 1024 * 1024 // 4,), committed)}, path)
-    return torn
+    return torn, left
 
 
 def test_sigkill_mid_save_naive_tears_ours_never(tmp_path):
-    naive_torn = _kill_mid_save(tmp_path / "naive.pth", "naive", 5)
-    ours_torn = _kill_mid_save(tmp_path / "ours.pth", "ours", 10)
+    naive_torn, _ = _kill_mid_save(tmp_path / "naive.pth", "naive", 5)
+    ours_torn, left = _kill_mid_save(tmp_path / "ours.pth", "ours", 10)
     print(f"SIGKILL mid-save: naive torch.save destroyed the checkpoint {naive_torn}/5, ranksafe {ours_torn}/10")
     assert naive_torn >= 1, "the control must show the naive pattern tearing the file"
     assert ours_torn == 0
-    assert len(_debris(tmp_path)) >= 1  # killed writers left temporaries ...
+    assert left, "killed writers left temporaries ..."
     ranksafe.atomic_save({"w": torch.zeros(4)}, tmp_path / "ours.pth")
-    assert [n for n in _debris(tmp_path) if n.startswith(".ours")] == []  # ... the next save removed them
+    assert not left & set(_debris(tmp_path))  # ... and the saves after them removed them
+    assert [n for n in _debris(tmp_path) if n.startswith(".ours")] == []
