@@ -12,6 +12,11 @@ collectives, for three reasons:
 One *exchange* is the building block: each rank posts its value, rank 0 waits for all of them, reduces
 them, and posts one result that every rank reads. Rank 0 does O(world) store operations, every other rank
 O(1). In a single process each function is a local no-op with the same return value.
+
+The result of an exchange is written once (``compare_set`` on an absent key): whoever writes it first decides
+for every rank. Normally that is rank 0; a rank that gives up waiting (a timeout, or a rank that aborted and is
+missing) writes its verdict instead, and rank 0, arriving later, reads it. So every rank that leaves an exchange
+leaves it with the same outcome, never "ok" on some and an error on others.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ DEFAULT_TIMEOUT = 1800.0
 """Seconds a collective waits for the slowest rank (``RANKSAFE_TIMEOUT`` overrides it)."""
 
 _GRACE = 1.5  # extra seconds non-main ranks wait, so that main reports a timeout before they do
+_ABORT_GRACE = 2.0  # once a rank has aborted, seconds an exchange still waits for the ranks it misses
 
 
 def default_timeout() -> float:
@@ -58,12 +64,16 @@ class _Session:
         # block of `world` tickets, so they compute the same session index.
         ticket = self.store.add("ranksafe/sessions", 1)
         self.prefix = f"ranksafe/{(ticket - 1) // self.world}/"
-        self.abort_key = f"{self.prefix}abort"
+        self.aborts_key = f"{self.prefix}aborts"  # how many ranks have an abort posted (one store op to poll)
         self.seq = 0
         self.lock = threading.Lock()  # one exchange at a time in this process, whatever the thread
         self.inside: tuple[int, str] | None = None  # (thread ident, name) of the exchange holding the lock
         self.hosts: list[str] = []
         self.readers = 0  # on main: how many ranks will read the last posted result (those that posted)
+
+    def abort_key(self, rank: int) -> str:
+        """Rank ``rank``'s abort: ``(seq, Failure)``, the exchange it had reached and why it failed."""
+        return f"{self.prefix}abort/{rank}"
 
     def keys(self, seq: int) -> tuple[list[str], str, str]:
         """Each rank's post, the result, and the counter of ranks that have read the result."""
@@ -159,19 +169,16 @@ def _exchange_in(
         try:
             s.store.set(rank_keys[s.rank], pickle.dumps((name, value)))
             if s.rank == 0:
-                result = _collect(s, name, rank_keys, reduce, timeout)
-                s.store.set(result_key, pickle.dumps(result))
-                # the ranks that posted will read the result; after a timeout, the missing ones never will
-                s.readers = s.world - 1 - (len(result[1]) if result[0] == "timeout" else 0)
-                if seq > 1:  # every rank has read the previous result once it posted to this one
+                result = _decide(s, result_key, _collect(s, seq, name, rank_keys, result_key, reduce, timeout))
+                # the ranks that posted will read the result; a rank that never posted never will
+                s.readers = sum(s.store.check([k]) for k in rank_keys[1:])
+                if seq > 1 and s.readers == s.world - 1:  # each rank read the previous result before posting here
                     old_keys, old_result, old_read = s.keys(seq - 1)
                     for k in [*old_keys, old_result, old_read]:
                         s.store.delete_key(k)
             else:
-                result = _await_result(s, what, rank_keys, result_key, timeout)
+                result = _await_result(s, rank_keys, result_key, timeout)
                 s.store.add(read_key, 1)
-        except _Aborted as e:
-            raise rank_failure(what, [e.failure]) from None
         except dist.DistError as e:
             lost = (
                 f"lost the rendezvous store ({str(e).splitlines()[0]}); the process hosting it exited: rank 0 "
@@ -187,16 +194,42 @@ def _exchange_in(
         raise CollectiveMismatch(
             what, [Failure(r, "ranksafe.CollectiveMismatch", f"was in {n!r}") for r, n in payload.items()]
         )
+    if kind == "abort":
+        raise rank_failure(what, payload)
     raise rank_failure(what, [payload])
 
 
-class _Aborted(Exception):
-    def __init__(self, failure: Failure):
-        self.failure = failure
+def _decide(s: _Session, result_key: str, proposal: tuple[str, Any]) -> tuple[str, Any]:
+    """Write ``proposal`` as the exchange's result unless a result is there already; return the one that is.
+
+    The first writer decides for every rank: rank 0 with the reduced values, or a rank that gave up waiting.
+    """
+    return pickle.loads(s.store.compare_set(result_key, "", pickle.dumps(proposal)))
 
 
-def _wait_for(s: _Session, keys: list[str], timeout: float) -> bool:
-    """Wait until every key exists (True) or ``timeout`` passes (False); raise if a rank aborted meanwhile.
+def _aborted(s: _Session) -> list[Failure]:
+    """The failures of the ranks whose abort is posted now, in rank order."""
+    keys = [s.abort_key(r) for r in range(s.world)]
+    return [pickle.loads(s.store.get(k))[1] for k in keys if s.store.check([k])]
+
+
+def _clear_stale_aborts(s: _Session, seq: int) -> None:
+    """On main, once every rank has posted to exchange ``seq``: a rank that aborted before it has come back
+    (it caught its error and goes on), so its abort no longer stands for a rank that is gone."""
+    if s.store.add(s.aborts_key, 0) <= 0:
+        return
+    for r in range(s.world):
+        key = s.abort_key(r)
+        if s.store.check([key]) and pickle.loads(s.store.get(key))[0] < seq:
+            s.store.delete_key(key)
+            s.store.add(s.aborts_key, -1)
+
+
+def _wait_for(s: _Session, keys: list[str], timeout: float, decided: str | None = None) -> str:
+    """Wait until every key exists: ``"done"``; or the result key ``decided`` exists (someone gave up):
+    ``"decided"``; or ``timeout`` passes: ``"timeout"``; or, once a rank has aborted, :data:`_ABORT_GRACE`
+    seconds pass: ``"aborted"``. A rank that aborted may be gone for good; the grace lets ranks that all
+    failed alike (and all take part in the next exchange) meet as usual.
 
     Polls with ``check`` (cheap, and silent where ``store.wait`` logs each timeout), backing off from
     0.2 ms to a ceiling that grows with the world (5 ms up to 16 ranks, 0.3 s at 1,000), so a quick
@@ -204,21 +237,38 @@ def _wait_for(s: _Session, keys: list[str], timeout: float) -> bool:
     few thousand requests a second in all.
     """
     deadline = time.monotonic() + timeout
+    abort_deadline: float | None = None
     ceiling = min(1.0, 0.005 * max(1.0, s.world / 16))
     pause = 0.0002
     while not s.store.check(keys):
-        if s.store.check([s.abort_key]):
-            raise _Aborted(pickle.loads(s.store.get(s.abort_key)))
-        if time.monotonic() >= deadline:
-            return False
+        if decided is not None and s.store.check([decided]):
+            return "decided"
+        now = time.monotonic()
+        if abort_deadline is None and s.store.add(s.aborts_key, 0) > 0:
+            abort_deadline = now + _ABORT_GRACE
+        if abort_deadline is not None and now >= abort_deadline:
+            return "aborted"
+        if now >= deadline:
+            return "timeout"
         time.sleep(pause)
         pause = min(pause * 2, ceiling)
-    return True
+    return "done"
 
 
-def _collect(s: _Session, name: str, rank_keys: list[str], reduce, timeout: float):
-    if not _wait_for(s, rank_keys, timeout):
-        return "timeout", [r for r, k in enumerate(rank_keys) if not s.store.check([k])]
+def _missing(s: _Session, rank_keys: list[str]) -> list[int]:
+    return [r for r, k in enumerate(rank_keys) if not s.store.check([k])]
+
+
+def _collect(s: _Session, seq: int, name: str, rank_keys: list[str], result_key: str, reduce, timeout: float):
+    """Rank 0's proposal for the result: the reduced values, or why there are none."""
+    state = _wait_for(s, rank_keys, timeout, decided=result_key)
+    if state == "decided":
+        return "decided", None  # never written: _decide returns the result already there
+    if state == "timeout":
+        return "timeout", _missing(s, rank_keys)
+    if state == "aborted":
+        return "abort", _aborted(s)
+    _clear_stale_aborts(s, seq)
     posted = [pickle.loads(b) for b in s.store.multi_get(rank_keys)]
     names = {n for n, _ in posted}
     if len(names) > 1:
@@ -229,11 +279,14 @@ def _collect(s: _Session, name: str, rank_keys: list[str], reduce, timeout: floa
         return "error", Failure.from_exception(0, e)
 
 
-def _await_result(s: _Session, what: str, rank_keys: list[str], result_key: str, timeout: float):
-    if not _wait_for(s, [result_key], timeout + _GRACE):
-        missing = [r for r, k in enumerate(rank_keys) if not s.store.check([k])]
-        raise BarrierTimeout(what, missing or [0], timeout)
-    return pickle.loads(s.store.get(result_key))
+def _await_result(s: _Session, rank_keys: list[str], result_key: str, timeout: float):
+    """A non-main rank's result: rank 0's, or, if this rank gives up first, its own verdict, written for all."""
+    state = _wait_for(s, [result_key], timeout + _GRACE)
+    if state == "done":
+        return pickle.loads(s.store.get(result_key))
+    if state == "aborted":
+        return _decide(s, result_key, ("abort", _aborted(s)))
+    return _decide(s, result_key, ("timeout", _missing(s, rank_keys) or [0]))
 
 
 def exchange(
@@ -346,10 +399,13 @@ def abort(exc: BaseException) -> None:
     """Tell every rank that this rank failed outside a shared section: their collectives raise now.
 
     A rank that raises on its own (a log write, a user callback) never reaches the next collective, and
-    the others would wait there until the timeout. After ``abort``, every collective that is waiting, or
-    that any rank starts later in this process group, raises :class:`RankFailure` naming this rank and
-    its error. The job cannot continue; each rank unwinds with an error instead of hanging. A
-    :class:`RankFailure` is already known everywhere and is not posted again. Local; never raises.
+    the others would wait there until the timeout. After ``abort``, a collective that misses a rank (waiting,
+    or started later in this process group) raises :class:`RankFailure` naming this rank and its error on
+    every rank, :data:`_ABORT_GRACE` seconds after it noticed the abort, instead of waiting for the timeout.
+    Collectives that every rank reaches in time still run: ranks that all failed alike (a signal, an error
+    in the same batch) can still take part in an exception-time save together, and a rank that caught its
+    error and takes part again withdraws its abort. A :class:`RankFailure` is already known everywhere and is
+    not posted again. Local; never raises.
     """
     global _session
     if isinstance(exc, RankFailure) or not topology.is_distributed() or dist.get_world_size() == 1:
@@ -357,13 +413,17 @@ def abort(exc: BaseException) -> None:
     with contextlib.suppress(dist.DistError), _session_lock:
         if _session is None or _session.group_id != id(dist.group.WORLD):
             _session = _Session()  # the host exchange waits for the next collective, which will raise
-        if not _session.store.check([_session.abort_key]):
-            _session.store.set(_session.abort_key, pickle.dumps(Failure.from_exception(_session.rank, exc)))
+        s = _session
+        key = s.abort_key(s.rank)
+        posted = s.store.check([key])
+        s.store.set(key, pickle.dumps((s.seq, Failure.from_exception(s.rank, exc))))
+        if not posted:
+            s.store.add(s.aborts_key, 1)
 
 
 @contextmanager
 def abort_on_error() -> Iterator[None]:
-    """Run a block (a training loop, a ``fit``) so that an exception in it reaches every rank at once.
+    """Run a block (a training loop, a ``fit``) so that an exception in it reaches every rank within seconds.
 
     Any exception escaping the block is posted with :func:`abort` and re-raised: the other ranks raise
     :class:`RankFailure` at their next (or current) ranksafe collective instead of waiting for a rank that

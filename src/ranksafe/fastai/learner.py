@@ -377,7 +377,7 @@ def _fit(learn: Learner, fit: Callable[[], None]) -> None:
 
 
 def learner_fit(self: Learner, *args: Any, **kwargs: Any) -> None:
-    """``Learner.fit`` whose exception on one rank reaches every rank at once (:func:`ranksafe.abort_on_error`).
+    """``Learner.fit`` whose exception on one rank reaches every rank within seconds (:func:`ranksafe.abort_on_error`).
 
     Without it, a rank that raises in a callback leaves the others waiting at their next collective until
     the timeout.
@@ -428,7 +428,7 @@ class RankSafeLearner:
     """
 
     def fit(self, *args: Any, **kwargs: Any) -> None:
-        """``fit`` whose exception on one rank reaches every rank at once (:func:`ranksafe.abort_on_error`)."""
+        """``fit`` whose exception on one rank reaches every rank within seconds (:func:`ranksafe.abort_on_error`)."""
         _fit(self, lambda: super(RankSafeLearner, self).fit(*args, **kwargs))  # type: ignore[misc]
 
     save = learner_save

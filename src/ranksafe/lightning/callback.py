@@ -14,7 +14,7 @@ exits, never learning why. From ``setup`` on, this callback guards the strategy 
 * ModelCheckpoint and EarlyStopping read their monitored metric through :class:`MonitorAgreement`, so a
   metric logged without ``sync_dist=True`` gives one decision and one file name on every rank.
 * An exception on one rank (``on_exception``) is posted with :func:`ranksafe.abort`: ranks waiting in a
-  ranksafe collective raise at once instead of waiting for the timeout.
+  ranksafe collective raise within seconds instead of waiting for the timeout.
 * With ``RankSafeCheckpointIO(async_save=True)``: the optimizer step holds the write side of the plugin's
   :class:`~ranksafe.StateDictLock`, every training step ends with the plugin's agreed
   :meth:`~ranksafe.lightning.RankSafeCheckpointIO.check` (a background failure is raised on every rank
@@ -336,7 +336,7 @@ class RankSafe(Callback):
             self.manager.close()  # type: ignore[union-attr]  # waits for the last step's commit, then checks
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        """A rank failing alone stops the others at their current or next ranksafe collective, at once."""
+        """A rank failing alone stops the others at their current or next ranksafe collective, within seconds."""
         abort(exception)
         if self.manager is not None:
             self.manager.shutdown()  # a step being committed in the background is not lost; no thread stays
