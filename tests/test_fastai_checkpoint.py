@@ -46,7 +46,9 @@ class Watch(Callback):
 
 
 def _opt_sum(opt_state) -> float:
-    return sum(float(t.double().sum()) for s in opt_state["state"] for t in s.values() if torch.is_tensor(t))
+    states = opt_state["state"]  # a list (fastai's Optimizer) or a dict by parameter index (torch's, OptimWrapper)
+    states = states.values() if isinstance(states, dict) else states
+    return sum(float(t.double().sum()) for s in states for t in s.values() if torch.is_tensor(t))
 
 
 def _learner(root, seed, cb) -> Learner:
@@ -342,3 +344,38 @@ def test_resume_in_the_process_whose_fit_failed_continues_that_fit(tmp_path):
     assert _committed(tmp_path / "ckpt") == [1, 2]
     last = _saved(tmp_path / "ckpt", 2)
     assert (last["fit"], last["epoch"], last["step_base"]) == (0, 2, 0)
+
+
+def _one_cycle(learn, n, *cbs: Callback) -> Watch:
+    watch = Watch()
+    with learn.no_bar(), learn.no_logging():
+        learn.fit_one_cycle(n, 1e-2, cbs=[watch, *cbs])
+    return watch
+
+
+@pytest.mark.parametrize("opt", ["adam", "ranger", "OptimWrapper(AdamW)"])
+def test_fit_one_cycle_killed_and_resumed_ends_where_the_uninterrupted_run_does(tmp_path, opt):
+    """fastai's schedulers put NumPy floats in the optimizer's hypers, ranger's Lookahead keeps fastcore lists,
+    OptimWrapper's state is torch's (no hypers): the checkpoint must still load with weights_only and resume."""
+    from functools import partial
+
+    from fastai.optimizer import Adam, OptimWrapper, ranger
+
+    opt_func = {"adam": Adam, "ranger": ranger, "OptimWrapper(AdamW)": partial(OptimWrapper, opt=torch.optim.AdamW)}
+
+    def learner(seed, directory, **kw) -> Learner:
+        set_seed(seed, reproducible=True)
+        cb = RankSafe(checkpoint_dir=directory, **kw)
+        return Learner(
+            tabular_dls(tmp_path), Lin(), loss_func=MSELossFlat(), path=tmp_path, cbs=cb, opt_func=opt_func[opt]
+        )
+
+    reference = learner(0, "reference")
+    _one_cycle(reference, 4)
+    run = learner(0, "ckpt")
+    with pytest.raises(Interrupted):
+        _one_cycle(run, 4, Crash(at=2))
+    again = learner(1, "ckpt", resume=True)
+    resumed = _one_cycle(again, 4)
+    assert resumed.trained == [2, 3]
+    assert params(again) == params(reference)

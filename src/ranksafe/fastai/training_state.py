@@ -35,6 +35,21 @@ def _plain(x: Any) -> Any:
     return x.item() if isinstance(x, (np.generic, torch.Tensor)) and x.ndim == 0 else x
 
 
+def _plain_tree(x: Any) -> Any:
+    """The optimizer's state with built-in containers and scalars only (tensors untouched): fastai's schedulers
+    put NumPy floats in the hypers (``fit_one_cycle``), Lookahead (``ranger``) keeps fastcore ``L`` lists, and a
+    weights-only load refuses both."""
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, dict):
+        return {k: _plain_tree(v) for k, v in x.items()}
+    if isinstance(x, (L, list)):
+        return [_plain_tree(v) for v in x]
+    if type(x) is tuple:
+        return tuple(_plain_tree(v) for v in x)
+    return x
+
+
 def training_state(learn: Learner, fit: int = 0, step_base: int = 0) -> dict[str, Any]:
     """The state written once per checkpoint: model, optimizer, completed epoch, recorded values.
 
@@ -43,10 +58,9 @@ def training_state(learn: Learner, fit: int = 0, step_base: int = 0) -> dict[str
     """
     recorder = getattr(learn, "recorder", None)
     values = [] if recorder is None else [[_plain(x) for x in v] for v in recorder.values]
-    opt = learn.opt.state_dict()
     return {
         "model": get_model(learn.model).state_dict(),
-        "opt": {**opt, "hypers": [dict(h) for h in opt["hypers"]]},  # fastcore's L would need a full unpickler
+        "opt": _plain_tree(learn.opt.state_dict()),
         "epoch": learn.epoch,
         "recorder": values,
         FIT: fit,
@@ -57,7 +71,12 @@ def training_state(learn: Learner, fit: int = 0, step_base: int = 0) -> dict[str
 def restore(learn: Learner, state: dict[str, Any]) -> None:
     """Put a :func:`training_state` back into ``learn`` (model and optimizer)."""
     get_model(learn.model).load_state_dict(state["model"])
-    learn.opt.load_state_dict({**state["opt"], "hypers": L(state["opt"]["hypers"])})
+    opt = dict(state["opt"])
+    if "hypers" in opt:  # a fastai Optimizer (OptimWrapper's state is torch's own)
+        opt["hypers"] = L(opt["hypers"])
+    if "slow_weights" in opt:  # Lookahead (ranger)
+        opt["slow_weights"] = L(L(pg) for pg in opt["slow_weights"])
+    learn.opt.load_state_dict(opt)
 
 
 def rng_state() -> dict[str, Any]:
