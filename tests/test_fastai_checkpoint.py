@@ -379,3 +379,16 @@ def test_fit_one_cycle_killed_and_resumed_ends_where_the_uninterrupted_run_does(
     resumed = _one_cycle(again, 4)
     assert resumed.trained == [2, 3]
     assert params(again) == params(reference)
+
+
+def test_a_learner_exported_with_ranksafe_and_loaded_by_fastai_keeps_checkpointing(tmp_path):
+    """fastai's own ``load_learner`` (the usual call) unpickles RankSafe: its methods are installed again."""
+    from fastai.learner import load_learner
+
+    learn = _learner(tmp_path, 0, RankSafe(checkpoint_dir="ckpt"))
+    learn.export("export.pkl")
+    loaded = load_learner(tmp_path / "export.pkl")
+    loaded.dls = tabular_dls(tmp_path)  # an exported Learner has empty loaders
+    assert "fit" in loaded.__dict__  # RankSafe's fit, not fastai's
+    _fit(loaded, 2)
+    assert _committed(tmp_path / "ckpt") == [0, 1]

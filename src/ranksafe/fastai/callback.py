@@ -238,6 +238,12 @@ class RankSafe(Callback):
             state.pop(name, None)
         return state
 
+    def __setstate__(self, state: dict) -> None:
+        """Unpickled with its Learner (fastai's own ``load_learner`` too): install the rank-safe methods again."""
+        super().__setstate__(state)
+        if self.__dict__.get("_learn") is not None:
+            self.reattach()
+
     # Events
     def before_fit(self) -> None:
         """Guard CSVLogger and lr_find for this fit; open the checkpoint manager and resume if asked."""
