@@ -437,3 +437,42 @@ def test_a_file_still_being_written_counts_as_existing_when_model_checkpoint_pic
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["ckpt-v1.ckpt", "ckpt-v2.ckpt", "ckpt-v3.ckpt", "ckpt-v4.ckpt", "ckpt-v5.ckpt", "ckpt.ckpt"]
     assert len(versions.best_k_models) == 6  # was: 3 files, each written twice over
+
+
+class ThirdWriteFails(RankSafeCheckpointIO):
+    """The third background write fails (a full disk); the first two commit."""
+
+    def __init__(self) -> None:
+        super().__init__(async_save=True)
+        self.writes = 0
+
+    def _write(self, checkpoint, path):
+        self.writes += 1
+        if self.writes == 3:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        super()._write(checkpoint, path)
+
+
+@pytest.mark.parametrize("save_last", [True, "link"])
+def test_last_checkpoint_never_runs_ahead_of_a_failed_background_write(tmp_path, save_last):
+    """ModelCheckpoint saves a top-k file, then last.ckpt, in the same step. When the top-k write fails in the
+    background, last.ckpt must stay the previous one: not a file claiming a top-k file that never came
+    (save_last=True), not a link to it (save_last="link", whose directory did not exist at the first link)."""
+    directory = tmp_path / "ckpts"  # created by the first save
+    checkpoint = ModelCheckpoint(
+        dirpath=directory, filename="{step}", every_n_train_steps=1, save_top_k=1, save_last=save_last
+    )
+    trainer = pl.Trainer(
+        max_steps=6, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[RankSafe(), checkpoint], plugins=[ThirdWriteFails()],
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(48, 4, generator=g), torch.randn(48, 1, generator=g))
+    with pytest.raises(OSError, match="No space left"):
+        trainer.fit(Model(step_time=0), torch.utils.data.DataLoader(data, batch_size=4))
+    last = torch.load(directory / "last.ckpt", weights_only=True)  # there, and whole
+    saved = next(v for k, v in last["callbacks"].items() if "ModelCheckpoint" in k)
+    named = Path(saved["best_model_path"]).name
+    assert (directory / named).exists()  # the file it names is on disk ...
+    assert named == f"step={last['global_step']}.ckpt"  # ... and is the one of its own step
+    assert "step=3.ckpt" not in os.listdir(directory)

@@ -48,7 +48,7 @@ from ..files import clean_orphans
 from ..saving import prepare_dir
 from ..snapshot import StateDictLock
 from ..storage import Storage
-from .io import RankSafeCheckpointIO
+from .io import RankSafeCheckpointIO, link
 from .monitor import MonitorAgreement, MonitorOp
 
 _GUARDED = "_ranksafe_guarded"
@@ -152,6 +152,28 @@ def _counting_writes_in_flight(checkpoint: ModelCheckpoint, io: RankSafeCheckpoi
             return trainer.strategy.reduce_boolean_decision(bool(mine), all=False)
 
         return file_exists
+
+    return wrap
+
+
+def _linking(timeout: float | None) -> Callable[[Callable], Callable]:
+    """``ModelCheckpoint._link_checkpoint`` (``save_last="link"``) made safe: with background writes the link
+    to a file still being written is made after its commit (and not at all if the write fails, so the old link
+    stays); the link replaces the old one atomically; and rank 0's outcome reaches every rank instead of the
+    stock barrier, which left the others waiting when the link failed."""
+
+    def wrap(_: Callable) -> Callable:
+        def link_checkpoint(trainer: pl.Trainer, filepath: str, linkpath: str) -> None:
+            shared = together("ModelCheckpoint link", timeout) if _shared() else contextlib.nullcontext()
+            with shared:
+                if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
+                    io = _async_io(trainer)
+                    if io is not None:
+                        io.link_checkpoint(filepath, linkpath)
+                    else:
+                        link(filepath, linkpath)
+
+        return link_checkpoint
 
     return wrap
 
@@ -284,9 +306,10 @@ class RankSafe(Callback):
             _wrap_once(trainer.strategy, "optimizer_step", _holding(locks))
         if self.resume:
             _wrap_once(trainer._checkpoint_connector, "_restore_modules_and_callbacks", self._resuming(trainer))
-        if self._io is not None and self._io.async_save:
-            for cb in trainer.checkpoint_callbacks:
-                if isinstance(cb, ModelCheckpoint):
+        for cb in trainer.checkpoint_callbacks:
+            if isinstance(cb, ModelCheckpoint):
+                _wrap_once(cb, "_link_checkpoint", _linking(self.timeout))
+                if self._io is not None and self._io.async_save:
                     _wrap_once(cb, "file_exists", _counting_writes_in_flight(cb, self._io))
         if not _shared():
             return

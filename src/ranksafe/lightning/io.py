@@ -25,7 +25,9 @@ Sharing outcomes with the other ranks is the job of the :class:`~ranksafe.lightn
 
 from __future__ import annotations
 
+import functools
 import os
+import shutil
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -53,27 +55,42 @@ def _local_path(path: _PATH) -> str:
 
 
 class _InFlight:
-    """One background save and the removals waiting for it; settled once, by the writer thread."""
+    """One background save and what waits for its commit (removals, links); settled once, by the writer thread."""
 
     def __init__(self, path: str):
         self.path = path
         self.outcome: str = "running"  # then "committed" or "failed"
-        self.removals: list[_PATH] = []
+        self.after: list[Callable[[], None]] = []
         self._lock = threading.Lock()  # the training thread defers, the writer thread settles
 
-    def defer(self, path: _PATH) -> str:
-        """Queue ``path`` for removal after the commit; return the outcome seen ("running": queued)."""
+    def defer(self, action: Callable[[], None]) -> str:
+        """Queue ``action`` for after the commit; return the outcome seen ("running": queued)."""
         with self._lock:
             if self.outcome == "running":
-                self.removals.append(path)
+                self.after.append(action)
             return self.outcome
 
-    def settle(self, committed: bool) -> list[_PATH]:
-        """Record the outcome; return the removals to run now (none when the save failed)."""
+    def settle(self, committed: bool) -> list[Callable[[], None]]:
+        """Record the outcome; return the actions to run now, in order (none when the save failed)."""
         with self._lock:
             self.outcome = "committed" if committed else "failed"
-            removals, self.removals = self.removals, []
-        return removals if committed else []
+            after, self.after = self.after, []
+        return after if committed else []
+
+
+def link(filepath: str, linkpath: str) -> None:
+    """Point ``linkpath`` at ``filepath`` (ModelCheckpoint's ``save_last="link"``): a relative symlink, or a copy
+    where links are not allowed. Made beside the target and renamed over it, so ``last.ckpt`` is never missing."""
+    if os.path.isdir(linkpath) and not os.path.islink(linkpath):
+        shutil.rmtree(linkpath)
+    temporary = f"{linkpath}.ranksafe-link"
+    if os.path.lexists(temporary):
+        os.remove(temporary)
+    try:
+        os.symlink(os.path.relpath(filepath, os.path.dirname(linkpath)), temporary)
+    except OSError:
+        shutil.copy(filepath, temporary)
+    os.replace(temporary, linkpath)
 
 
 class RankSafeCheckpointIO(CheckpointIO):
@@ -139,6 +156,13 @@ class RankSafeCheckpointIO(CheckpointIO):
             self._last = None
             self._write(checkpoint, path)
             return
+        self.wait()
+        if self.saver.failed:  # never commit past a failed write: last.ckpt would name a top-k file that never came
+            raise self.saver.take_error()  # type: ignore[misc]
+        try:  # now, not on the writer thread: a link or copy made before the commit finds the directory
+            make_dirs(os.path.dirname(path))
+        except OSError as e:
+            raise error_naming_target(e, "cannot save checkpoint", path) from e
         flight = _InFlight(path)
 
         def write(snapshot: dict[str, Any]) -> str:
@@ -147,8 +171,8 @@ class RankSafeCheckpointIO(CheckpointIO):
             except BaseException:
                 flight.settle(committed=False)  # the removals it made way for are dropped
                 raise
-            for doomed in flight.settle(committed=True):
-                self._remove(doomed)
+            for action in flight.settle(committed=True):
+                action()
             return path
 
         # the previous write (if any) is joined inside submit, its removals done, before this one starts
@@ -198,9 +222,18 @@ class RankSafeCheckpointIO(CheckpointIO):
         fails: whatever the removal made way for never arrived, so the old checkpoint stays.
         """
         flight = self._last
-        if flight is not None and flight.defer(path) != "committed":
+        if flight is not None and flight.defer(functools.partial(self._remove, path)) != "committed":
             return  # "running": done by the writer thread after the commit; "failed": dropped
         self._remove(path)
+
+    def link_checkpoint(self, filepath: str, linkpath: str) -> None:
+        """Point ``linkpath`` at ``filepath`` (:func:`link`); local. When ``filepath`` is still being written,
+        the link is made after its commit, and not at all if that write fails: the old link stays."""
+        flight = self._last
+        deferred = flight is not None and flight.path == os.path.abspath(_local_path(filepath))
+        if deferred and flight.defer(functools.partial(link, filepath, linkpath)) != "committed":  # type: ignore[union-attr]
+            return  # "running": made by the writer thread after the commit; "failed": the old link stays
+        link(filepath, linkpath)
 
     def _remove(self, path: _PATH) -> None:
         fs = get_filesystem(path)
