@@ -476,3 +476,17 @@ def test_last_checkpoint_never_runs_ahead_of_a_failed_background_write(tmp_path,
     assert (directory / named).exists()  # the file it names is on disk ...
     assert named == f"step={last['global_step']}.ckpt"  # ... and is the one of its own step
     assert "step=3.ckpt" not in os.listdir(directory)
+
+
+def test_inside_lightnings_async_wrapper_the_plugin_is_torn_down_after_fit(tmp_path):
+    """Lightning's AsyncCheckpointIO does not pass teardown on to the plugin it wraps: RankSafe does."""
+    inner = RankSafeCheckpointIO(async_save=True)
+    trainer = pl.Trainer(
+        max_steps=2, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, plugins=[AsyncCheckpointIO(inner)],
+        callbacks=[RankSafe(), ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1)],
+    )  # fmt: skip
+    data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randn(8, 1))
+    trainer.fit(Model(step_time=0), torch.utils.data.DataLoader(data, batch_size=4))
+    assert [t.name for t in threading.enumerate() if t.name.startswith("ranksafe")] == []
+    assert inner._torn_down  # a later trainer.save_checkpoint is synchronous: nothing would wait for it

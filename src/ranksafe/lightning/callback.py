@@ -354,6 +354,8 @@ class RankSafe(Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The plugin's teardown (before this hook) waited for the last write: report its outcome everywhere."""
         if self._io is not None:
+            if self._io is not trainer.strategy.checkpoint_io:  # inside a wrapper, which does not pass teardown on
+                self._io.teardown()
             self._io.check()
         if self._async_manager:
             self.manager.close()  # type: ignore[union-attr]  # waits for the last step's commit, then checks
