@@ -15,6 +15,7 @@ import pytest
 pytest.importorskip("fastai")
 
 import torch
+from fastai.callback.tracker import EarlyStoppingCallback, SaveModelCallback
 from fastai.tabular.all import Callback, CancelBatchException, Learner, MSELossFlat
 from fastai.torch_core import set_seed
 
@@ -318,7 +319,7 @@ def test_rerun_of_two_fits_skips_the_finished_fit_and_resumes_the_second(tmp_pat
     again = _learner(tmp_path, 1, cb)
     start = params(again)
     with pytest.warns(RuntimeWarning, match="written by fit #1 of the run and this is fit #0: skipping"):
-        first = _fit(again, 3)
+        first = _fit(again, 3, EarlyStoppingCallback(patience=9))  # a tracker sees no record of skipped epochs
     assert first.trained == [] and params(again) == start and cb.resume_pending  # done before: skipped whole
     second = _fit(again, 2)
     assert second.trained == [1] and second.start == killed_at and not cb.resume_pending
@@ -392,3 +393,49 @@ def test_a_learner_exported_with_ranksafe_and_loaded_by_fastai_keeps_checkpointi
     assert "fit" in loaded.__dict__  # RankSafe's fit, not fastai's
     _fit(loaded, 2)
     assert _committed(tmp_path / "ckpt") == [0, 1]
+
+
+class ScriptedLoss(Callback):
+    """valid_loss replaced by scripted values (after the Recorder, before RankSafe and the trackers)."""
+
+    order = 52
+
+    def __init__(self, values):
+        self.values = values
+
+    def after_epoch(self):
+        record = self.learn.recorder.values[-1]
+        if len(record):  # an epoch a resume skips records nothing: RankSafe puts the saved record back later
+            record[list(self.learn.recorder.metric_names[1:]).index("valid_loss")] = self.values[self.epoch]
+
+
+def test_resume_does_not_replay_what_trackers_did_before_the_saved_epoch(tmp_path):
+    """The best model is saved at epoch 1, the learning rate halved from epoch 2 on; killed at epoch 4 (epoch 3
+    saved), then resumed: best.pth must stay epoch 1's (not the restored weights), and the rate must not be
+    halved again for epoch 2 (the restored optimizer has that halving already)."""
+    from fastai.callback.tracker import ReduceLROnPlateau
+
+    def run(root, seed, resume, *cbs):
+        set_seed(seed, reproducible=True)
+        learn = Learner(
+            tabular_dls(tmp_path), Lin(), loss_func=MSELossFlat(), path=root, cbs=RankSafe(checkpoint_dir="ckpt")
+        )
+        trackers = [
+            ScriptedLoss([0.5, 0.4, 0.6, 0.7, 0.8, 0.9]),
+            SaveModelCallback(fname="best"),
+            ReduceLROnPlateau(patience=1, factor=2.0),
+        ]
+        with learn.no_bar(), learn.no_logging():
+            (learn.resume() if resume else learn).fit(6, 1e-2, cbs=[*trackers, *cbs])
+        return learn
+
+    reference = run(tmp_path / "reference", 0, False)
+    with pytest.raises(Interrupted):
+        run(tmp_path / "run", 0, False, Crash(at=4))
+    again = run(tmp_path / "run", 1, True)
+    assert again.opt.hypers[-1]["lr"] == reference.opt.hypers[-1]["lr"] == 1e-2 / 16
+    best = [
+        torch.load(root / "models/best.pth", weights_only=True) for root in (tmp_path / "reference", tmp_path / "run")
+    ]
+    assert all(torch.equal(best[0][k], best[1][k]) for k in best[0])
+    assert params(again) == params(reference)

@@ -50,6 +50,7 @@ from typing import Any
 from fastai.callback.core import Callback
 from fastai.callback.progress import CSVLogger
 from fastai.callback.schedule import LRFinder, ParamScheduler
+from fastai.callback.tracker import EarlyStoppingCallback, ReduceLROnPlateau, TrackerCallback
 from fastai.learner import Learner, SkipToEpoch
 from fastcore.foundation import L
 
@@ -119,9 +120,13 @@ def _lr_finder_after_fit(self: LRFinder) -> None:
         _unwrap_events(self)
 
 
+def _skipped_event() -> None:
+    """A tracker's ``after_epoch`` on an epoch a resume skips (see :meth:`RankSafe._quiet_trackers`)."""
+
+
 _TRANSIENT = (
     "_installed", "_manager", "_lock", "_skip", "_active", "_trained", "_holding", "_depth", "_history", "_fits",
-    "_ordinal", "_base",
+    "_ordinal", "_base", "_quieted",
 )  # fmt: skip
 """RankSafe's attributes that belong to one attachment, process or fit: never pickled with an exported Learner."""
 
@@ -156,6 +161,7 @@ class RankSafe(Callback):
     _holding = False  # the optimizer step holds the write side of the lock
     _depth = 0  # before_fit events seen in this fit minus after_fit events (validate inside fit nests)
     _history: tuple | list = ()  # recorded values of the epochs a resumed fit skips
+    _quieted: tuple = ()  # trackers whose after_epoch this skipped epoch must not run
     _fits = 0  # checkpointing fits this callback began in this process: the ordinal of the next one
     _ordinal = 0  # this fit's ordinal, recorded in its checkpoints (a re-run script finds its place with it)
     _base = 0  # the step of this fit's epoch 0: after every step of the earlier fits
@@ -329,6 +335,7 @@ class RankSafe(Callback):
         With checkpoints, the barrier is the manager's :meth:`~ranksafe.CheckpointManager.check`: the same
         single exchange, which also raises a failed background write on every rank.
         """
+        self._unquiet_trackers()
         if self._checkpointing:
             object.__setattr__(self, "_trained", False)
             self._manager.check()
@@ -377,6 +384,8 @@ class RankSafe(Callback):
         checkpointing = self._checkpointing
         if checkpointing and not self._trained and recorder is not None and self.epoch < len(self._history):
             recorder.values[-1] = self.learn.final_record = L(self._history[self.epoch])  # skipped by a resume
+        if checkpointing and not self._trained and self.epoch != len(self._history) - 1:
+            self._quiet_trackers(bookkeeping=self.epoch < len(self._history))
         shared = topology.world_size() >= 2 and not hasattr(self.learn, "gather_preds")
         if shared and recorder is not None and recorder.values:
             agreed = broadcast(list(recorder.values[-1]), name="fastai: epoch record")
@@ -385,6 +394,32 @@ class RankSafe(Callback):
             state = training_state(self.learn, fit=self._ordinal, step_base=self._base)
             with self._manager.saving(self._base + self.epoch, {STATE: state}) as tx:
                 tx.save(rng_state(), rng_file(topology.rank()))
+
+    def _quiet_trackers(self, bookkeeping: bool) -> None:
+        """An epoch a resume skips, before the saved one: the trackers (SaveModelCallback, EarlyStopping,
+        ReduceLROnPlateau) acted on it in the run that saved it, and what they did is in the restored state (the
+        best model on disk, the reduced learning rate). They update what they track (the best value, the epochs
+        without improvement) and do nothing else: run again, they saved the restored weights as the best of an
+        old epoch and reduced the learning rate twice. The saved epoch itself was checkpointed before its
+        trackers ran, so they run for it as usual. Epochs of a fit skipped whole (no history): nothing runs."""
+        quieted = []
+        for cb in self.learn.cbs:
+            if not isinstance(cb, TrackerCallback) or not cb.run:
+                continue
+            if bookkeeping:
+                TrackerCallback.after_epoch(cb)
+                if isinstance(cb, (EarlyStoppingCallback, ReduceLROnPlateau)):
+                    cb.wait = 0 if cb.new_best else cb.wait + 1
+                    if isinstance(cb, ReduceLROnPlateau) and cb.wait >= cb.patience:
+                        cb.wait = 0  # the reduction it made then is in the restored hypers
+            cb.__dict__["after_epoch"] = _skipped_event
+            quieted.append(cb)
+        object.__setattr__(self, "_quieted", tuple(quieted))
+
+    def _unquiet_trackers(self) -> None:
+        for cb in self._quieted:
+            cb.__dict__.pop("after_epoch", None)
+        object.__setattr__(self, "_quieted", ())
 
     def after_fit(self) -> None:
         """At the end of the outermost fit: wait for the last checkpoint and raise its failure on every rank."""
@@ -397,6 +432,7 @@ class RankSafe(Callback):
 
     def _end_fit(self) -> None:
         object.__setattr__(self, "_active", False)
+        self._unquiet_trackers()
         self._release()
         if self._skip is not None:
             self.learn.remove_cb(self._skip)
