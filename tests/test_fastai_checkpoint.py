@@ -439,3 +439,24 @@ def test_resume_does_not_replay_what_trackers_did_before_the_saved_epoch(tmp_pat
     ]
     assert all(torch.equal(best[0][k], best[1][k]) for k in best[0])
     assert params(again) == params(reference)
+
+
+class Validates(Callback):
+    """Calls ``learn.validate()`` in its own before_fit and after_epoch, before RankSafe's run (order 0 < 55)."""
+
+    def before_fit(self):
+        if not hasattr(self.learn, "gather_preds") and not self.learn.lock.locked():
+            self.learn.validate()
+
+    def after_epoch(self):
+        if not self.learn.lock.locked():
+            self.learn.validate()
+
+
+def test_checkpoints_however_the_fit_starts_and_whatever_its_callbacks_validate(tmp_path):
+    """RankSafe passed to ``fit(cbs=...)`` (its fit wrapper is not installed then), and a callback that validates
+    before RankSafe sees the fit start and before its epoch end (fastai's validate sets learn.epoch to 0)."""
+    learn = Learner(tabular_dls(tmp_path), Lin(), loss_func=MSELossFlat(), path=tmp_path, cbs=Validates())
+    _fit(learn, 3, RankSafe(checkpoint_dir="ckpt"))
+    assert _committed(tmp_path / "ckpt") == [0, 1, 2]
+    assert [_saved(tmp_path / "ckpt", s)["epoch"] for s in (0, 1, 2)] == [0, 1, 2]

@@ -126,7 +126,7 @@ def _skipped_event() -> None:
 
 _TRANSIENT = (
     "_installed", "_manager", "_lock", "_skip", "_active", "_trained", "_holding", "_depth", "_history", "_fits",
-    "_ordinal", "_base", "_quieted",
+    "_ordinal", "_base", "_quieted", "_epoch",
 )  # fmt: skip
 """RankSafe's attributes that belong to one attachment, process or fit: never pickled with an exported Learner."""
 
@@ -162,6 +162,7 @@ class RankSafe(Callback):
     _depth = 0  # before_fit events seen in this fit minus after_fit events (validate inside fit nests)
     _history: tuple | list = ()  # recorded values of the epochs a resumed fit skips
     _quieted: tuple = ()  # trackers whose after_epoch this skipped epoch must not run
+    _epoch = 0  # the fit's epoch: a validate inside the fit sets learn.epoch to 0, after_fit puts it back
     _fits = 0  # checkpointing fits this callback began in this process: the ordinal of the next one
     _ordinal = 0  # this fit's ordinal, recorded in its checkpoints (a re-run script finds its place with it)
     _base = 0  # the step of this fit's epoch 0: after every step of the earlier fits
@@ -335,7 +336,9 @@ class RankSafe(Callback):
         With checkpoints, the barrier is the manager's :meth:`~ranksafe.CheckpointManager.check`: the same
         single exchange, which also raises a failed background write on every rank.
         """
-        self._unquiet_trackers()
+        if not (self._active and self._depth > 1):  # not a validate pass inside the fit (it fires epoch events too)
+            self._unquiet_trackers()
+            object.__setattr__(self, "_epoch", self.epoch)
         if self._checkpointing:
             object.__setattr__(self, "_trained", False)
             self._manager.check()
@@ -426,6 +429,8 @@ class RankSafe(Callback):
         if not self._active:
             return
         object.__setattr__(self, "_depth", self._depth - 1)
+        if self._depth >= 1:  # a validate inside this fit ended; fastai's TrainEvalCallback set learn.epoch to 0
+            self.learn.epoch = self._epoch
         if self._depth == 0:
             self._end_fit()
             self._manager.close()  # collective: waits for the write in flight, raises its failure everywhere

@@ -343,27 +343,25 @@ for _f, _doc in (
     _f.__doc__ = _doc
 
 
-_FIT_START = "_ranksafe_fit_start"
-
-
 def opens_fit(learn: Learner) -> bool:
-    """Whether this ``before_fit`` opens a ``fit``; asking consumes the answer.
+    """Whether this ``before_fit`` opens a ``fit``.
 
-    ``validate``, ``get_preds`` and ``tta`` fire ``before_fit`` too (also from inside a fit, when a
-    callback calls them); only ``fit`` marks the Learner first.
+    ``validate``, ``get_preds`` and ``tta`` fire ``before_fit`` too (also from inside a fit, when a callback
+    calls them), always holding fastai's ``Learner.lock`` (``validation_context``); ``fit`` never holds it. So
+    the answer holds however the fit started: RankSafe passed in ``fit(cbs=...)``, or a callback validating in
+    its own ``before_fit`` before RankSafe's runs.
     """
-    return bool(learn.__dict__.pop(_FIT_START, False))
+    return not learn.lock.locked()
 
 
 def _fit(learn: Learner, fit: Callable[[], None]) -> None:
-    """Run ``fit`` marked as one (:func:`opens_fit`) and under :func:`ranksafe.abort_on_error`.
+    """Run ``fit`` under :func:`ranksafe.abort_on_error`.
 
     If it raises, the :class:`RankSafe` callbacks release what they hold (``fit_failed``): fastai calls
     no ``after_fit`` then.
     """
     from .callback import RankSafe
 
-    learn.__dict__[_FIT_START] = True
     try:
         with abort_on_error():
             fit()
@@ -372,8 +370,6 @@ def _fit(learn: Learner, fit: Callable[[], None]) -> None:
             if isinstance(cb, RankSafe):
                 cb.fit_failed()
         raise
-    finally:
-        learn.__dict__.pop(_FIT_START, None)
 
 
 def learner_fit(self: Learner, *args: Any, **kwargs: Any) -> None:
