@@ -395,3 +395,43 @@ def test_single_process_files_and_results_match_stock_fastai(tmp_path):
         rf.load_data(tmp_path / "data/dls.pkl")
     dls = rf.load_data(tmp_path / "data/dls.pkl", trusted=True)
     assert len(dls.train_ds) == 48 and len(dls.valid_ds) == 16
+
+
+class NanOnRank0(Callback):
+    """Rank 0's second batch of epoch 1 has a NaN feature: bad data in its shard only."""
+
+    order = 1
+
+    def before_batch(self):
+        if ranksafe.rank() == 0 and self.training and self.epoch == 1 and self.iter == 1:
+            xb = list(self.learn.xb)
+            xb[1] = xb[1].clone()
+            xb[1][0, 0] = float("nan")
+            self.learn.xb = tuple(xb)
+
+
+def _nan_on_one_rank(rank, root, safe):
+    from fastai.callback.tracker import TerminateOnNaNCallback
+
+    learn = _learner(root, safe)
+    start = time.monotonic()
+    try:
+        watch = _fit_watch(learn, 4, NanOnRank0(), TerminateOnNaNCallback())
+        ranksafe.barrier("after fit", timeout=8)  # the script goes on with a collective
+    except Exception as e:
+        return {"error": type(e).__name__, "seconds": time.monotonic() - start}
+    return {"epochs": watch.epochs, "seconds": time.monotonic() - start}
+
+
+def test_terminate_on_nan_stops_every_rank_at_the_same_batch(tmp_path):
+    """Stock TerminateOnNaNCallback looks at each rank's own loss: rank 0 stops, rank 1 trains on (into the
+    gradient all-reduce, or further: here it trained every epoch). With RankSafe every rank stops after the
+    same batch."""
+    env = {"TEST_PG_TIMEOUT": "8"}
+    stock = run_ranks(_nan_on_one_rank, 2, args=(str(tmp_path / "stock"), False), env=env, timeout=120)
+    safe = run_ranks(_nan_on_one_rank, 2, args=(str(tmp_path / "safe"), True), env=env, timeout=120).values
+    print("stock:", [r.value or r.error_type for r in stock.results], "\nranksafe:", safe)
+    outcomes = [r.value.get("epochs", r.value.get("error")) if r.value else r.error_type for r in stock.results]
+    assert outcomes[0] != outcomes[1]  # the control: the ranks went different ways
+    assert safe[0] == {**safe[1], "seconds": safe[0]["seconds"]} and "error" not in safe[0]
+    assert safe[0]["epochs"] == 1  # stopped in epoch 1 (no epoch end), on both ranks

@@ -47,11 +47,12 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import torch
 from fastai.callback.core import Callback
 from fastai.callback.progress import CSVLogger
 from fastai.callback.schedule import LRFinder, ParamScheduler
-from fastai.callback.tracker import EarlyStoppingCallback, ReduceLROnPlateau, TrackerCallback
-from fastai.learner import Learner, SkipToEpoch
+from fastai.callback.tracker import EarlyStoppingCallback, ReduceLROnPlateau, TerminateOnNaNCallback, TrackerCallback
+from fastai.learner import CancelFitException, Learner, SkipToEpoch
 from fastcore.foundation import L
 
 from .. import topology
@@ -77,6 +78,14 @@ def _wrap_events(cb: Callback, **events: Any) -> None:
 def _unwrap_events(cb: Callback) -> None:
     for name in cb.__dict__.pop(_WRAPPED, ()):
         cb.__dict__.pop(name, None)
+
+
+def _nan_after_batch(self: TerminateOnNaNCallback) -> None:
+    """Stop on every rank when the loss is not finite on any rank. Each rank looking at its own loss stopped the
+    rank with the bad batch while the others went on into the next batch's all-reduce and waited there."""
+    bad = (~torch.isfinite(self.loss.detach())).any().float().reshape(1)
+    if self.learn.to_detach(bad, cpu=False, gather=True).any():  # every rank's flag, the same on every rank
+        raise CancelFitException
 
 
 def _csv_before_fit(self: CSVLogger) -> None:
@@ -260,6 +269,8 @@ class RankSafe(Callback):
                     _wrap_events(cb, before_fit=_csv_before_fit, after_fit=_csv_after_fit)
                 elif isinstance(cb, LRFinder) and _WRAPPED not in cb.__dict__:
                     _wrap_events(cb, before_fit=_lr_finder_before_fit, after_fit=_lr_finder_after_fit)
+                elif isinstance(cb, TerminateOnNaNCallback) and _WRAPPED not in cb.__dict__:
+                    _wrap_events(cb, after_batch=_nan_after_batch)
         if self._active:  # validate/get_preds called inside this fit: its after_fit must not end the fit
             object.__setattr__(self, "_depth", self._depth + 1)
             return
