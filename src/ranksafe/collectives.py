@@ -171,8 +171,9 @@ def _exchange_in(
             if s.rank == 0:
                 result = _decide(s, result_key, _collect(s, seq, name, rank_keys, result_key, reduce, timeout))
                 # the ranks that posted will read the result; a rank that never posted never will
-                s.readers = sum(s.store.check([k]) for k in rank_keys[1:])
-                if seq > 1 and s.readers == s.world - 1:  # each rank read the previous result before posting here
+                all_posted = result[0] not in ("timeout", "abort")
+                s.readers = s.world - 1 if all_posted else sum(s.store.check([k]) for k in rank_keys[1:])
+                if seq > 1 and all_posted:  # each rank read the previous result before posting here
                     old_keys, old_result, old_read = s.keys(seq - 1)
                     for k in [*old_keys, old_result, old_read]:
                         s.store.delete_key(k)
