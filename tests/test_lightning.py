@@ -115,6 +115,30 @@ def test_io_uses_no_collectives_without_a_process_group(tmp_path, monkeypatch):
         io.save_checkpoint({}, path, storage_options={"x": 1})
 
 
+class Opaque:
+    """An object a weights-only load refuses."""
+
+
+@pytest.mark.filterwarnings("ignore:Environment variable TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
+def test_weights_only_none_leaves_the_choice_to_torch_as_stock_lightning(tmp_path, monkeypatch):
+    path = tmp_path / "opaque.ckpt"
+    io = RankSafeCheckpointIO()
+    io.save_checkpoint({"weights": torch.arange(3), "extra": Opaque()}, path)
+    manager = ranksafe.CheckpointManager(tmp_path / "managed")
+    manager.save(1, {"extra": Opaque()})
+    with pytest.raises(ranksafe.UntrustedCheckpoint, match=re.escape(str(path))):
+        io.load_checkpoint(path)  # torch's default: weights only
+    # the user's opt-out through torch's own switch, which only decides where the caller left weights_only None
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    assert isinstance(TorchCheckpointIO().load_checkpoint(path)["extra"], Opaque)  # control: stock Lightning
+    assert isinstance(io.load_checkpoint(path)["extra"], Opaque)
+    assert isinstance(manager.load(weights_only=None)["extra"], Opaque)
+    with pytest.raises(ranksafe.UntrustedCheckpoint):
+        io.load_checkpoint(path, weights_only=True)  # an explicit choice stands
+    with pytest.raises(ranksafe.UntrustedCheckpoint):
+        manager.load()  # ranksafe's own default is an explicit True
+
+
 def test_overwrite_empties_the_checkpoint_dir_unless_resuming(tmp_path):
     root = tmp_path / "ckpts"
     root.mkdir()

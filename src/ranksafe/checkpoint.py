@@ -458,7 +458,7 @@ class CheckpointManager:
         step: int | None = None,
         fallback: bool = False,
         map_location: Any = "cpu",
-        weights_only: bool = True,
+        weights_only: bool | None = True,
         sharded: bool = False,
     ) -> Any:
         """Load step ``step`` (default: :meth:`latest`) on every rank after verifying it; collective.

@@ -431,15 +431,16 @@ def verify_file(path: str | os.PathLike) -> bool:
 def load_file(
     path: str | os.PathLike,
     map_location: Any = "cpu",
-    weights_only: bool = True,
+    weights_only: bool | None = True,
     verify: bool = True,
     **kw: Any,
 ) -> Any:
     """Load a checkpoint with clear errors. Local, no collectives; :func:`ranksafe.load` is the collective.
 
     ``weights_only=True`` by default: a file holding arbitrary pickled objects raises
-    :class:`UntrustedCheckpoint` unless the caller opts in. Truncated, bit-flipped or foreign files raise
-    :class:`CorruptCheckpoint` naming the path.
+    :class:`UntrustedCheckpoint` unless the caller opts in; ``None`` leaves the choice to ``torch.load`` (True,
+    unless the user set ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``), as Lightning and torch do. Truncated, bit-flipped
+    or foreign files raise :class:`CorruptCheckpoint` naming the path.
     """
     path = os.fspath(path)
     if os.path.isdir(path):
@@ -461,11 +462,11 @@ def load_file(
 _DAMAGE = (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, KeyError, IndexError, OSError)
 
 
-def _load_error(path: str, e: Exception, weights_only: bool) -> Exception:
+def _load_error(path: str, e: Exception, weights_only: bool | None) -> Exception:
     """What a failed ``torch.load`` of ``path`` means, named for the user (``e`` itself: pass it on)."""
     if _first_bytes(path) not in (_ZIP_START, _LEGACY_START):
         return CorruptCheckpoint(path, "not a torch checkpoint (neither a zip archive nor torch's legacy format)")
-    if isinstance(e, pickle.UnpicklingError) and weights_only and "Weights only load failed" in str(e):
+    if isinstance(e, pickle.UnpicklingError) and weights_only is not False and "Weights only load failed" in str(e):
         lines = str(e).splitlines()
         # torch's message is a page of advice; the line naming the refused object is the one that matters
         why = next((line.strip() for line in lines if "WeightsUnpickler error" in line), lines[-1])

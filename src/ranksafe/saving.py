@@ -63,7 +63,7 @@ def save(obj: Any, path: str | os.PathLike, writer: Writer = "main", **torch_sav
 def load(
     path: str | os.PathLike,
     map_location: Any = "cpu",
-    weights_only: bool = True,
+    weights_only: bool | None = True,
     verify: bool = True,
     **kw: Any,
 ) -> Any:

@@ -105,7 +105,7 @@ def _guard_strategy(trainer: pl.Trainer, callback: RankSafe) -> None:
         if not _shared():
             step = callback._managed_step(checkpoint_path)
             if step is not None:
-                return callback.manager.load(step, weights_only=weights_only is not False)  # type: ignore[union-attr]
+                return callback.manager.load(step, weights_only=weights_only)  # type: ignore[union-attr]
             return load(checkpoint_path, weights_only=weights_only)
         io = _async_io(trainer)
         if io is not None:  # the file may be the one rank 0 is still writing: every rank waits for it
@@ -121,7 +121,7 @@ def _guard_strategy(trainer: pl.Trainer, callback: RankSafe) -> None:
             trainer._checkpoint_connector._ckpt_path = chosen
         step = callback._managed_step(chosen)
         if step is not None:  # verified against its manifest on every node, the outcome agreed
-            return callback.manager.load(step, weights_only=weights_only is not False)  # type: ignore[union-attr]
+            return callback.manager.load(step, weights_only=weights_only)  # type: ignore[union-attr]
         result: dict[str, Any] = {}
         with together("Trainer.load_checkpoint", timeout):
             result = load(chosen, weights_only=weights_only)

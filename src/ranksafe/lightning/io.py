@@ -196,9 +196,9 @@ class RankSafeCheckpointIO(CheckpointIO):
     ) -> dict[str, Any]:
         """Verify and load ``path``; :class:`~ranksafe.CorruptCheckpoint` names a torn or corrupt file.
 
-        A background write to ``path`` still in flight is waited for first. ``weights_only=None`` means
-        torch's default (True), as for stock Lightning; a file that needs ``weights_only=False`` raises
-        :class:`~ranksafe.UntrustedCheckpoint` saying so.
+        A background write to ``path`` still in flight is waited for first. ``weights_only=None`` leaves the
+        choice to ``torch.load``, as stock Lightning does: True, unless ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` is
+        set; a file that needs ``weights_only=False`` then raises :class:`~ranksafe.UntrustedCheckpoint` saying so.
         """
         if not _is_local(path):
             raise ValueError(f"{type(self).__name__} reads local files only, not {path}")
@@ -208,7 +208,7 @@ class RankSafeCheckpointIO(CheckpointIO):
             self.wait()
         if not os.path.exists(path):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
-        return load_file(path, map_location=map_location, weights_only=True if weights_only is None else weights_only)
+        return load_file(path, map_location=map_location, weights_only=weights_only)
 
     def writing(self, path: _PATH) -> bool:
         """Whether a background write to ``path`` is in flight (the file is not there yet). Local."""
