@@ -242,3 +242,32 @@ def test_after_an_abort_every_rank_leaves_an_exchange_with_the_same_outcome():
     assert values[0] == values[1]  # no rank went on while the other raised: that split the ranks
     assert values[0][:2] == ["ok", "ok"]
     assert values[0][2].startswith("RankFailure: rank ") and "rank failed again" in values[0][2]
+
+
+def _withdrawn_while_waiting(rank):
+    """Rank 1 waits in an exchange and its abort grace ends in the moment between rank 0 withdrawing the abort
+    (every rank has posted) and rank 0 writing the result, a moment widened here by a slow result write."""
+    decide = collectives._decide
+
+    def slow_decide(*args):
+        time.sleep(2.0)  # the abort is withdrawn; rank 1's grace ends meanwhile
+        return decide(*args)
+
+    ranksafe.barrier("warm")
+    if rank == 0:
+        collectives.abort(ValueError("rank 0 failed, caught it and goes on"))
+        time.sleep(1.0)  # rank 1 waits below; its 2 s grace runs
+        collectives._decide = slow_decide
+    else:
+        time.sleep(0.2)  # rank 0's abort is posted: rank 1's wait below notices it at once
+    out = [_outcome(lambda: ranksafe.barrier("every rank arrives"))]
+    collectives._decide = decide
+    out.append(_outcome(lambda: ranksafe.barrier("next")))
+    return out
+
+
+def test_an_abort_withdrawn_while_a_rank_gives_up_does_not_fail_a_complete_exchange():
+    values = run_ranks(_withdrawn_while_waiting, 2, timeout=60).values
+    print(values)
+    # before: rank 1 decided an abort naming no rank, and both ranks raised a RankFailure without failures
+    assert values[0] == values[1] == ["ok", "ok"]

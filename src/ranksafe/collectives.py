@@ -281,13 +281,22 @@ def _collect(s: _Session, seq: int, name: str, rank_keys: list[str], result_key:
 
 
 def _await_result(s: _Session, rank_keys: list[str], result_key: str, timeout: float):
-    """A non-main rank's result: rank 0's, or, if this rank gives up first, its own verdict, written for all."""
-    state = _wait_for(s, [result_key], timeout + _GRACE)
-    if state == "done":
-        return pickle.loads(s.store.get(result_key))
-    if state == "aborted":
-        return _decide(s, result_key, ("abort", _aborted(s)))
-    return _decide(s, result_key, ("timeout", _missing(s, rank_keys) or [0]))
+    """A non-main rank's result: rank 0's, or, if this rank gives up first, its own verdict, written for all.
+
+    An abort that no longer stands when the grace ends was withdrawn by rank 0, which does that only once every
+    rank has posted to this very exchange: its result is on the way, so this rank waits on for it, instead of
+    deciding an abort that names no rank.
+    """
+    deadline = time.monotonic() + timeout + _GRACE
+    while True:
+        state = _wait_for(s, [result_key], max(0.0, deadline - time.monotonic()))
+        if state == "done":
+            return pickle.loads(s.store.get(result_key))
+        if state != "aborted":
+            return _decide(s, result_key, ("timeout", _missing(s, rank_keys) or [0]))
+        failures = _aborted(s)
+        if failures:
+            return _decide(s, result_key, ("abort", failures))
 
 
 def exchange(
