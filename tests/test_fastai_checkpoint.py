@@ -382,6 +382,35 @@ def test_fit_one_cycle_killed_and_resumed_ends_where_the_uninterrupted_run_does(
     assert params(again) == params(reference)
 
 
+def test_a_resumed_run_records_and_logs_what_the_uninterrupted_run_does(tmp_path):
+    """The recorder's values and fastai's history.csv, train_loss (a smoothed loss carried across epochs)
+    included, are the uninterrupted run's; only the time column differs."""
+    from fastai.callback.progress import CSVLogger
+
+    def run(seed, directory, *cbs, **kw) -> Learner:
+        set_seed(seed, reproducible=True)
+        learn = Learner(
+            tabular_dls(tmp_path), Lin(), loss_func=MSELossFlat(), path=tmp_path,
+            cbs=RankSafe(checkpoint_dir=directory, **kw),
+        )  # fmt: skip
+        with learn.no_bar(), learn.no_logging():
+            learn.fit(4, 1e-2, cbs=[CSVLogger(f"{directory}.csv"), *cbs])
+        return learn
+
+    def history(name) -> list[list[str]]:
+        lines = (tmp_path / name).read_text().splitlines()
+        return [line.split(",")[:-1] for line in lines]  # without the time column
+
+    reference = run(0, "reference")
+    with pytest.raises(Interrupted):
+        run(0, "ckpt", Crash(at=2))
+    again = run(1, "ckpt", resume=True)
+    assert [list(v) for v in again.recorder.values] == [list(v) for v in reference.recorder.values]
+    assert again.smooth_loss == reference.smooth_loss
+    assert history("ckpt.csv") == history("reference.csv")
+    assert len(history("ckpt.csv")) == 5 and all(len(row) == 3 for row in history("ckpt.csv"))  # header, 4 epochs
+
+
 def test_a_learner_exported_with_ranksafe_and_loaded_by_fastai_keeps_checkpointing(tmp_path):
     """fastai's own ``load_learner`` (the usual call) unpickles RankSafe: its methods are installed again."""
     from fastai.learner import load_learner
@@ -405,7 +434,7 @@ class ScriptedLoss(Callback):
 
     def after_epoch(self):
         record = self.learn.recorder.values[-1]
-        if len(record):  # an epoch a resume skips records nothing: RankSafe puts the saved record back later
+        if len(record):  # an epoch of a fit a resume skips whole records nothing
             record[list(self.learn.recorder.metric_names[1:]).index("valid_loss")] = self.values[self.epoch]
 
 

@@ -63,7 +63,7 @@ from ..snapshot import StateDictLock
 from ..storage import Storage
 from .cpu import prepare_distributed
 from .learner import LEARNER_METHODS, NEW_METHODS, RankSafeLearner, opens_fit
-from .training_state import FIT, STATE, STEP_BASE, restore, rng_file, rng_state, set_rng_state, training_state
+from .training_state import FIT, STATE, STEP_BASE, rank_state, restore, rng_file, set_rank_state, training_state
 
 _WRAPPED = "_ranksafe_wrapped"
 
@@ -328,7 +328,7 @@ class RankSafe(Callback):
         with together("fastai: resume", what=f"resume from {mgr.step_dir(mgr.loaded_step)}"):
             restore(self.learn, state)
             if os.path.exists(rng):  # absent when the world grew since: those ranks start new generators
-                set_rng_state(load_file(rng))
+                set_rank_state(self.learn, load_file(rng))
             else:
                 warnings.warn(f"{rng} does not exist: random generators not restored", RuntimeWarning, stacklevel=2)
         object.__setattr__(self, "_base", state.get(STEP_BASE, mgr.loaded_step - state["epoch"]))
@@ -345,11 +345,16 @@ class RankSafe(Callback):
         """Every rank arrives here, or every rank learns which one failed (instead of hanging in DDP).
 
         With checkpoints, the barrier is the manager's :meth:`~ranksafe.CheckpointManager.check`: the same
-        single exchange, which also raises a failed background write on every rank.
+        single exchange, which also raises a failed background write on every rank. An epoch a resume skips
+        gets its saved record now, between the Recorder's ``before_epoch`` and fastai's ``SkipToEpoch``: the
+        Recorder records and logs it (the CSV log's row) as the run that trained it did.
         """
         if not (self._active and self._depth > 1):  # not a validate pass inside the fit (it fires epoch events too)
             self._unquiet_trackers()
             object.__setattr__(self, "_epoch", self.epoch)
+            recorder = getattr(self.learn, "recorder", None)
+            if self._active and recorder is not None and self.epoch < len(self._history):
+                recorder.log = L(self.epoch, *self._history[self.epoch])
         if self._checkpointing:
             object.__setattr__(self, "_trained", False)
             self._manager.check()
@@ -396,8 +401,6 @@ class RankSafe(Callback):
         self._release()
         recorder = getattr(self.learn, "recorder", None)
         checkpointing = self._checkpointing
-        if checkpointing and not self._trained and recorder is not None and self.epoch < len(self._history):
-            recorder.values[-1] = self.learn.final_record = L(self._history[self.epoch])  # skipped by a resume
         if checkpointing and not self._trained and self.epoch != len(self._history) - 1:
             self._quiet_trackers(bookkeeping=self.epoch < len(self._history))
         shared = topology.world_size() >= 2 and not hasattr(self.learn, "gather_preds")
@@ -407,7 +410,7 @@ class RankSafe(Callback):
         if checkpointing and self._trained and (self.epoch + 1) % self.every == 0:
             state = training_state(self.learn, fit=self._ordinal, step_base=self._base)
             with self._manager.saving(self._base + self.epoch, {STATE: state}) as tx:
-                tx.save(rng_state(), rng_file(topology.rank()))
+                tx.save(rank_state(self.learn), rng_file(topology.rank()))
 
     def _quiet_trackers(self, bookkeeping: bool) -> None:
         """An epoch a resume skips, before the saved one: the trackers (SaveModelCallback, EarlyStopping,

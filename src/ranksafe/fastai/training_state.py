@@ -5,8 +5,9 @@ A checkpoint of :class:`~ranksafe.fastai.RankSafe` holds, in ``state.pt`` (writt
 stands in the run (which fit of the script wrote it, and the step number of that fit's epoch 0, so that a
 re-run of a script with several fits knows which one to continue); and one file per
 rank (``rng-00000.pt``, ...) with that rank's random generators (Python, NumPy, torch, CUDA), so that a
-resumed run draws the same augmentations and dropout masks as the uninterrupted one would. Everything is
-plain tensors and built-in types: it loads with ``weights_only=True``.
+resumed run draws the same augmentations and dropout masks as the uninterrupted one would, and its
+Recorder's smoothed loss, which runs on across epochs (the ``train_loss`` of the first resumed epoch is the
+uninterrupted run's). Everything is plain tensors and built-in types: it loads with ``weights_only=True``.
 """
 
 from __future__ import annotations
@@ -77,6 +78,27 @@ def restore(learn: Learner, state: dict[str, Any]) -> None:
     if "slow_weights" in opt:  # Lookahead (ranger)
         opt["slow_weights"] = L(L(pg) for pg in opt["slow_weights"])
     learn.opt.load_state_dict(opt)
+
+
+def rank_state(learn: Learner) -> dict[str, Any]:
+    """This rank's own part of a checkpoint: :func:`rng_state`, and the Recorder's smoothed loss (the loss of
+    this rank's batches, averaged over every batch so far)."""
+    state = rng_state()
+    smooth = getattr(getattr(learn, "recorder", None), "smooth_loss", None)
+    if smooth is not None:
+        val = torch.as_tensor(smooth.val).as_subclass(torch.Tensor)  # fastai's TensorBase needs a full unpickler
+        state["smooth_loss"] = {"count": int(smooth.count), "val": val.detach().cpu()}
+    return state
+
+
+def set_rank_state(learn: Learner, state: dict[str, Any]) -> None:
+    """Restore what :func:`rank_state` returned, after the Recorder's ``before_fit`` reset its smoothed loss
+    (a file written before the smoothed loss was saved restores the generators only)."""
+    set_rng_state(state)
+    smooth = getattr(getattr(learn, "recorder", None), "smooth_loss", None)
+    if smooth is not None and "smooth_loss" in state:
+        smooth.count, smooth.val = state["smooth_loss"]["count"], state["smooth_loss"]["val"]
+        learn.smooth_loss = smooth.value
 
 
 def rng_state() -> dict[str, Any]:
