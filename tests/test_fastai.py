@@ -413,14 +413,18 @@ class NanOnRank0(Callback):
 def _nan_on_one_rank(rank, root, safe):
     from fastai.callback.tracker import TerminateOnNaNCallback
 
-    learn = _learner(root, safe)
+    nan = TerminateOnNaNCallback()
+    learn = _learner(root, safe, nan)  # the Learner's own callback: an export after the fit pickles it
     start = time.monotonic()
     try:
-        watch = _fit_watch(learn, 4, NanOnRank0(), TerminateOnNaNCallback())
+        watch = _fit_watch(learn, 4, NanOnRank0())
         ranksafe.barrier("after fit", timeout=8)  # the script goes on with a collective
     except Exception as e:
         return {"error": type(e).__name__, "seconds": time.monotonic() - start}
-    return {"epochs": watch.epochs, "seconds": time.monotonic() - start}
+    left = sorted(vars(nan))
+    nan.learn = None
+    pickle.loads(pickle.dumps(nan))  # as an export and load_learner would
+    return {"epochs": watch.epochs, "seconds": time.monotonic() - start, "left": left}
 
 
 def test_terminate_on_nan_stops_every_rank_at_the_same_batch(tmp_path):
@@ -435,3 +439,5 @@ def test_terminate_on_nan_stops_every_rank_at_the_same_batch(tmp_path):
     assert outcomes[0] != outcomes[1]  # the control: the ranks went different ways
     assert safe[0] == {**safe[1], "seconds": safe[0]["seconds"]} and "error" not in safe[0]
     assert safe[0]["epochs"] == 1  # stopped in epoch 1 (no epoch end), on both ranks
+    for rank in safe:  # RankSafe's wrapper is gone after the fit (and the callback pickles, as an export needs)
+        assert "after_batch" not in rank["left"] and "_ranksafe_wrapped" not in rank["left"]

@@ -69,7 +69,9 @@ _WRAPPED = "_ranksafe_wrapped"
 
 
 def _wrap_events(cb: Callback, **events: Any) -> None:
-    """Give one callback instance its own versions of some events (undone by :func:`_unwrap_events`)."""
+    """Give one callback instance its own versions of some events, for one fit: its ``after_fit``, or RankSafe's
+    ``fit_failed``, undoes them (:func:`_unwrap_events`). Left on, they would outlive RankSafe, and a Learner
+    exported with them would not load (a pickled method of the callback is looked up by name)."""
     for name, fn in events.items():
         cb.__dict__[name] = types.MethodType(fn, cb)
     cb.__dict__[_WRAPPED] = tuple(events)
@@ -86,6 +88,11 @@ def _nan_after_batch(self: TerminateOnNaNCallback) -> None:
     bad = (~torch.isfinite(self.loss.detach())).any().float().reshape(1)
     if self.learn.to_detach(bad, cpu=False, gather=True).any():  # every rank's flag, the same on every rank
         raise CancelFitException
+
+
+def _nan_after_fit(self: TerminateOnNaNCallback) -> None:
+    if opens_fit(self.learn):  # the fit ends, not a validate pass inside it (it holds the lock)
+        _unwrap_events(self)
 
 
 def _csv_before_fit(self: CSVLogger) -> None:
@@ -270,7 +277,7 @@ class RankSafe(Callback):
                 elif isinstance(cb, LRFinder) and _WRAPPED not in cb.__dict__:
                     _wrap_events(cb, before_fit=_lr_finder_before_fit, after_fit=_lr_finder_after_fit)
                 elif isinstance(cb, TerminateOnNaNCallback) and _WRAPPED not in cb.__dict__:
-                    _wrap_events(cb, after_batch=_nan_after_batch)
+                    _wrap_events(cb, after_batch=_nan_after_batch, after_fit=_nan_after_fit)
         if self._active:  # validate/get_preds called inside this fit: its after_fit must not end the fit
             object.__setattr__(self, "_depth", self._depth + 1)
             return
@@ -458,7 +465,10 @@ class RankSafe(Callback):
             object.__setattr__(self, "_skip", None)
 
     def fit_failed(self) -> None:
-        """``fit`` raised: no lock stays held, no write stays in flight (local; the ranks are failing)."""
+        """``fit`` raised: no lock stays held, no write stays in flight, no callback keeps a wrapped event (local;
+        the ranks are failing)."""
+        for cb in self.learn.cbs:
+            _unwrap_events(cb)
         if self._active:
             self._end_fit()
             self._manager.shutdown()
