@@ -441,3 +441,27 @@ def test_terminate_on_nan_stops_every_rank_at_the_same_batch(tmp_path):
     assert safe[0]["epochs"] == 1  # stopped in epoch 1 (no epoch end), on both ranks
     for rank in safe:  # RankSafe's wrapper is gone after the fit (and the callback pickles, as an export needs)
         assert "after_batch" not in rank["left"] and "_ranksafe_wrapped" not in rank["left"]
+
+
+def _fit_scoped_fails_alone(rank, root):
+    """RankSafe passed to this fit only (``fit(cbs=[RankSafe()])``), not attached to the Learner: its ``fit`` is
+    fastai's own, with no ranksafe wrapper around it. Rank 1 fails alone at the end of epoch 1."""
+    from ranksafe.fastai.cpu import prepare_distributed
+
+    prepare_distributed()  # what torchrun's variables would do: distrib_ctx below trains with DDP
+    learn = _learner(root, False)
+    start = time.monotonic()
+    try:
+        _fit_watch(learn, 3, RankSafe(), FailAlone(rank=1, epoch=1))
+    except Exception as e:
+        return {"error": type(e).__name__, "msg": str(e)[:400], "seconds": time.monotonic() - start}
+    return {"error": None, "seconds": time.monotonic() - start}
+
+
+def test_a_failure_on_one_rank_reaches_the_others_with_ranksafe_passed_to_fit_only(tmp_path):
+    r0, r1 = run_ranks(_fit_scoped_fails_alone, 2, args=(str(tmp_path),), timeout=120).values
+    print(r0, r1, sep="\n")
+    assert r1["error"] == "OSError"
+    # before: rank 0 waited in the next epoch's barrier for RANKSAFE_TIMEOUT (30 s), then named rank 1 missing
+    assert r0["error"].startswith("RankFailure") and "rank 1" in r0["msg"] and "No space left" in r0["msg"], r0
+    assert r0["seconds"] < 15, r0

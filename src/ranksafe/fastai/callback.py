@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 import types
 import warnings
@@ -57,7 +58,7 @@ from fastcore.foundation import L
 
 from .. import topology
 from ..checkpoint import CheckpointManager
-from ..collectives import barrier, broadcast, together
+from ..collectives import abort, barrier, broadcast, together
 from ..files import load_file
 from ..snapshot import StateDictLock
 from ..storage import Storage
@@ -142,7 +143,7 @@ def _skipped_event() -> None:
 
 _TRANSIENT = (
     "_installed", "_manager", "_lock", "_skip", "_active", "_trained", "_holding", "_depth", "_history", "_fits",
-    "_ordinal", "_base", "_quieted", "_epoch",
+    "_ordinal", "_base", "_quieted", "_epoch", "_fitting",
 )  # fmt: skip
 """RankSafe's attributes that belong to one attachment, process or fit: never pickled with an exported Learner."""
 
@@ -172,6 +173,7 @@ class RankSafe(Callback):
     _manager: CheckpointManager | None = None
     _lock: StateDictLock | None = None
     _skip: SkipToEpoch | None = None
+    _fitting = False  # inside a fit (from its before_fit to its after_fit; validate passes inside it aside)
     _active = False  # checkpointing in this fit (a training fit, not validate/get_preds/lr_find)
     _trained = False  # this epoch trained (SkipToEpoch did not skip it)
     _holding = False  # the optimizer step holds the write side of the lock
@@ -226,11 +228,24 @@ class RankSafe(Callback):
     def learn(self, learn: Learner | None) -> None:
         if learn is self._learn:
             return
+        if learn is None and self._fitting:
+            self._removed_mid_fit()
         self._uninstall()
         object.__setattr__(self, "_learn", learn)
         if learn is not None:
             prepare_distributed()
             self._install()
+
+    def _removed_mid_fit(self) -> None:
+        """Taken off the Learner while its fit runs: ``fit(cbs=[RankSafe()])`` raising (fastai removes a fit's
+        callbacks on the way out, and calls no ``after_fit``). That ``fit`` is fastai's own, without the wrapper
+        of a Learner RankSafe is attached to (:func:`~ranksafe.fastai.learner.learner_fit`), so the error is
+        posted for the other ranks here (:func:`ranksafe.abort`), and what the fit held is released."""
+        object.__setattr__(self, "_fitting", False)
+        exc = sys.exc_info()[1]
+        if exc is not None:
+            abort(exc)
+            self.fit_failed()
 
     def reattach(self) -> None:
         """Install the rank-safe methods again on a Learner restored from a pickle (``load_learner``)."""
@@ -283,6 +298,8 @@ class RankSafe(Callback):
             return
         # the same answer on every rank: every rank runs the same fit with the same callbacks
         opens = opens_fit(self.learn)
+        if opens:
+            object.__setattr__(self, "_fitting", True)
         if not (opens and self.checkpoint_dir is not None):
             return
         if any(isinstance(cb, LRFinder) for cb in self.learn.cbs):
@@ -447,6 +464,8 @@ class RankSafe(Callback):
 
     def after_fit(self) -> None:
         """At the end of the outermost fit: wait for the last checkpoint and raise its failure on every rank."""
+        if opens_fit(self.learn):
+            object.__setattr__(self, "_fitting", False)
         if not self._active:
             return
         object.__setattr__(self, "_depth", self._depth - 1)
