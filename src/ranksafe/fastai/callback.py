@@ -486,6 +486,7 @@ class RankSafe(Callback):
     def fit_failed(self) -> None:
         """``fit`` raised: no lock stays held, no write stays in flight, no callback keeps a wrapped event (local;
         the ranks are failing)."""
+        object.__setattr__(self, "_fitting", False)  # taken off the Learner later, it posts no error again
         for cb in self.learn.cbs:
             _unwrap_events(cb)
         if self._active:
