@@ -284,8 +284,8 @@ def _await_result(s: _Session, rank_keys: list[str], result_key: str, timeout: f
     """A non-main rank's result: rank 0's, or, if this rank gives up first, its own verdict, written for all.
 
     An abort that no longer stands when the grace ends was withdrawn by rank 0, which does that only once every
-    rank has posted to this very exchange: its result is on the way, so this rank waits on for it, instead of
-    deciding an abort that names no rank.
+    rank has posted to this very exchange: its result is on the way, so this rank waits one more grace for it
+    (then it names rank 0 as missing), instead of deciding an abort that names no rank.
     """
     deadline = time.monotonic() + timeout + _GRACE
     while True:
@@ -297,6 +297,7 @@ def _await_result(s: _Session, rank_keys: list[str], result_key: str, timeout: f
         failures = _aborted(s)
         if failures:
             return _decide(s, result_key, ("abort", failures))
+        deadline = min(deadline, time.monotonic() + _ABORT_GRACE)
 
 
 def exchange(
