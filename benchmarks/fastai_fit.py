@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 from typing import Any
@@ -48,14 +48,14 @@ def _learner(rank: int, cbs: list) -> Any:
     return Learner(dls, model, loss_func=MSELossFlat(), cbs=cbs)
 
 
-def _rank(rank: int, world: int, port: int, reps: int, out: Any) -> None:
+def _rank(rank: int, world: int, rendezvous: str, reps: int, out: Any) -> None:
     from fastai.callback.tracker import TerminateOnNaNCallback
 
     from ranksafe.fastai import RankSafe
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)  # two ranks on two cores
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     from ranksafe.fastai.cpu import prepare_distributed
 
     prepare_distributed()  # fastai's DDP on CPU (gloo), for both methods: the baseline is a real DDP fit
@@ -76,17 +76,13 @@ def _rank(rank: int, world: int, port: int, reps: int, out: Any) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(reps: int, world: int = 2) -> dict[str, list[float]]:
     """Seconds per epoch on rank 0, per method, ``reps`` epochs each, interleaved."""
     context = mp.get_context("spawn")
     out = context.SimpleQueue()
-    mp.start_processes(_rank, args=(world, _free_port(), reps, out), nprocs=world, start_method="spawn")
+    with tempfile.TemporaryDirectory() as work:  # a file rendezvous: no port to collide with another run
+        rendezvous = os.path.join(work, "rendezvous")
+        mp.start_processes(_rank, args=(world, rendezvous, reps, out), nprocs=world, start_method="spawn")
     return out.get()
 
 
