@@ -3,8 +3,8 @@ and callbacks, each epoch timed without and with ``RankSafe()``, in turns (each 
 
 RankSafe's cost in a fit without checkpoints: two small collectives per epoch (a barrier at the epoch start, rank
 0's epoch record broadcast before the trackers read it) and, with ``TerminateOnNaNCallback`` on the Learner, the
-loss flag of every rank gathered after every batch (one float per rank), so that every rank stops after the same
-batch. The baseline is the same DDP fit without RankSafe (each rank checks its own loss), with only the two
+every rank's loss flag combined after every batch (an all-reduce of one float), so that every rank stops after
+the same batch. The baseline is the same DDP fit without RankSafe (each rank checks its own loss), with only the two
 fixes that let fastai's DDP run on CPU at all (:func:`ranksafe.fastai.cpu.prepare_distributed`). The model is
 fixed (an MLP with 8 MiB of weights: DDP all-reduces its gradients every batch), whatever ``--sizes-mib`` says.
 

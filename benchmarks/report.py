@@ -74,7 +74,7 @@ TARGETS: dict[tuple[str, str], Target] = {
     ("save_path", "atomic_save"): Target(median=1.15),  # save_path does not measure memory; lightning_io does
     ("async_save", "ranksafe"): Target(median=1.15, max=2.0),
     ("async_save_large", "ranksafe"): Target(median=1.15, max=2.0),
-    # two collectives per epoch and one gathered float per batch must not show in a fit's time
+    # two collectives per epoch and one all-reduced float per batch must not show in a fit's time
     ("fastai_fit", "ranksafe"): Target(median=1.05),
 }
 
