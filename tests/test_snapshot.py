@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from ranksafe import snapshot
 from ranksafe.snapshot import _BULK_BYTES, _GAP, StagingBuffers, StateDictLock, copy_small
 from tests.ranks import run_ranks
 
@@ -354,6 +355,93 @@ def test_the_copy_plan_is_reused_only_while_every_tensor_stays_where_it_was():
     state["b"] = state["b"].t()
     snap = staging.take(state)
     assert torch.equal(snap["b"], state["b"])
+
+
+def _count_full_walks(monkeypatch) -> list[int]:
+    """How many snapshots took the full walk (the quick walk and its guard did not admit the state)."""
+    count = [0]
+    full = snapshot._Walk._mapping_full
+
+    def counted(self, obj, out):
+        count[0] += obj is self._state
+        return full(self, obj, out)
+
+    init = snapshot._Walk.__init__
+
+    def remember(self, state, quick=False):
+        self._state = state
+        init(self, state, quick)
+
+    monkeypatch.setattr(snapshot._Walk, "_mapping_full", counted)
+    monkeypatch.setattr(snapshot._Walk, "__init__", remember)
+    return count
+
+
+@pytest.mark.parametrize("guard", ["torch's guard", "no guard in this torch"])
+def test_a_state_laid_out_as_planned_takes_the_quick_walk_and_any_change_at_the_same_address_is_seen(
+    monkeypatch, guard
+):
+    if guard == "no guard in this torch":
+        monkeypatch.setattr(snapshot, "TensorGuards", None)
+    full_walks = _count_full_walks(monkeypatch)
+    flat = torch.randn(1000)
+    c = torch.randn(8, dtype=torch.complex64)
+    model = {"flat": flat, "c": c, "p": torch.nn.Parameter(torch.randn(3)), "step": 5, "small": torch.ones(4)}
+    staging = StagingBuffers()
+
+    def state():  # new tensor objects over the same memory each time, as state_dict() gives
+        return {k: v.detach() if isinstance(v, torch.Tensor) and k != "p" else v for k, v in model.items()}
+
+    staging.take(state())
+    staging.take(state())  # the guard is built from a plan's sources
+    before = full_walks[0]
+    for i in range(3):
+        model["step"] = i
+        flat.add_(1)
+        snap = staging.take(state())
+        assert snap["step"] == i and torch.equal(snap["flat"], flat) and isinstance(snap["p"], torch.nn.Parameter)
+    assert full_walks[0] - before == (0 if guard == "torch's guard" else 3)
+
+    # every change but the last keeps the address, so only the guard can see it; each must reach the snapshot as
+    # torch.save would write it (with the plan kept, the staged copy keeps the old dtype, shape, clothes, bytes)
+    small = model["small"]
+    changes = [
+        ("flat", lambda: flat.view(torch.int32)),  # another dtype
+        ("flat", lambda: flat.view(10, 100)),  # another shape
+        ("flat", lambda: torch.nn.Parameter(flat, requires_grad=False)),  # now a Parameter
+        ("c", lambda: c.conj()),  # a lazy conjugate: its values are not its bytes
+        ("small", lambda: small.detach().requires_grad_()),  # now requires grad
+        ("small", lambda: small.clone().requires_grad_()),  # new memory too: the addresses alone see it
+    ]
+    for n, (key, change) in enumerate(changes):
+        current = state()
+        current[key] = change()
+        got, want = staging.take(current)[key], current[key]
+        assert type(got) is type(want) and got.dtype == want.dtype and got.shape == want.shape, n
+        assert got.requires_grad == want.requires_grad and torch.equal(got.detach(), want.detach()), n
+        back = staging.take(state())[key]  # and back to the planned layout
+        assert type(back) is type(model[key]) and torch.equal(back, model[key].detach()), n
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch.nested is a prototype
+def test_a_nested_tensor_at_a_planned_address_does_not_reach_the_guard():
+    """torch's guard reads sizes and strides before anything else; a strided nested tensor has none, and the
+    process aborts. One viewing the planned tensor's memory passes the address check, so the quick walk itself
+    must turn it away."""
+    buffer = torch.randn(5)
+    state = {"w": torch.ones(2), "x": buffer}
+    staging = StagingBuffers()
+    staging.take(state)
+    staging.take(state)
+    state["x"] = torch._nested_view_from_buffer(
+        buffer, torch.tensor([[2], [3]]), torch.tensor([[1], [1]]), torch.tensor([0, 2])
+    )
+    assert state["x"].data_ptr() == buffer.data_ptr()
+    snap = staging.take(state)
+    assert snap["x"].is_nested and [t.tolist() for t in snap["x"].unbind()] == [
+        buffer[:2].tolist(),
+        buffer[2:].tolist(),
+    ]
 
 
 def test_a_large_snapshot_copies_every_kind_of_tensor_exactly():
