@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 
 import pytest
 
 pytest.importorskip("fastai")
 
 import torch
+from fastai.callback.fp16 import MixedPrecision
 from fastai.callback.tracker import EarlyStoppingCallback, SaveModelCallback
 from fastai.tabular.all import Callback, CancelBatchException, Learner, MSELossFlat
 from fastai.torch_core import set_seed
+from torch.amp import GradScaler, autocast
 
 import ranksafe
 from ranksafe import collectives
@@ -409,6 +412,52 @@ def test_a_resumed_run_records_and_logs_what_the_uninterrupted_run_does(tmp_path
     assert again.smooth_loss == reference.smooth_loss
     assert history("ckpt.csv") == history("reference.csv")
     assert len(history("ckpt.csv")) == 5 and all(len(row) == 3 for row in history("ckpt.csv"))  # header, 4 epochs
+
+
+class CPUMixedPrecision(MixedPrecision):
+    """fastai's MixedPrecision with its GradScaler and autocast on the CPU (fastai hard-codes CUDA, where a
+    GradScaler disables itself): the same callback and the same ``learn.scaler`` as on a GPU."""
+
+    def before_fit(self):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*CUDA is not available")
+            super().before_fit()
+        self.autocast, self.learn.scaler = autocast("cpu", dtype=torch.float16), GradScaler("cpu", **self.kwargs)
+
+
+class ScalerStates(Callback):
+    """The GradScaler's state after every epoch (MixedPrecision drops the scaler at the end of the fit)."""
+
+    order = 11
+
+    def __init__(self):
+        self.saved = []
+
+    def after_epoch(self):
+        self.saved.append(self.learn.scaler.state_dict())
+
+
+def test_a_resumed_mixed_precision_run_keeps_the_grad_scaler_state(tmp_path):
+    """The loss scale grows every 2 steps (6 per epoch): a resumed run must go on from the saved scale, not
+    start again from ``init_scale`` (and skip steps to find its way back, when it overflows)."""
+
+    def run(directory, *cbs, **kw) -> list[dict]:
+        set_seed(0, reproducible=True)
+        states = ScalerStates()
+        learn = Learner(
+            tabular_dls(tmp_path), Lin(), loss_func=MSELossFlat(), path=tmp_path,
+            cbs=[RankSafe(checkpoint_dir=directory, **kw), CPUMixedPrecision(init_scale=2.0**4, growth_interval=2)],
+        )  # fmt: skip
+        with learn.no_bar(), learn.no_logging():
+            learn.fit(4, 1e-2, cbs=[states, *cbs])
+        return states.saved
+
+    reference = run("reference")
+    assert reference[0]["scale"] == 2.0**7 and reference[3]["scale"] == 2.0**16  # the scale does move
+    with pytest.raises(Interrupted):
+        run("ckpt", Crash(at=2))
+    again = run("ckpt", resume=True)
+    assert again[2:] == reference[2:]  # the epochs it ran (the skipped ones record the fresh scaler)
 
 
 def test_a_learner_exported_with_ranksafe_and_loaded_by_fastai_keeps_checkpointing(tmp_path):

@@ -1,11 +1,11 @@
 """What a fastai run needs to continue where it stopped, and how it goes back in.
 
 A checkpoint of :class:`~ranksafe.fastai.RankSafe` holds, in ``state.pt`` (written once): the model's
-``state_dict``, the optimizer's state, the epoch just completed, the Recorder's values and where the fit
-stands in the run (which fit of the script wrote it, and the step number of that fit's epoch 0, so that a
-re-run of a script with several fits knows which one to continue); and one file per
-rank (``rng-00000.pt``, ...) with that rank's random generators (Python, NumPy, torch, CUDA), so that a
-resumed run draws the same augmentations and dropout masks as the uninterrupted one would, and its
+``state_dict``, the optimizer's state, MixedPrecision's GradScaler state (fp16), the epoch just completed, the
+Recorder's values and where the fit stands in the run (which fit of the script wrote it, and the step number
+of that fit's epoch 0, so that a re-run of a script with several fits knows which one to continue); and one
+file per rank (``rng-00000.pt``, ...) with that rank's random generators (Python, NumPy, torch, CUDA), so that
+a resumed run draws the same augmentations and dropout masks as the uninterrupted one would, and its
 Recorder's smoothed loss, which runs on across epochs (the ``train_loss`` of the first resumed epoch is the
 uninterrupted run's). Everything is plain tensors and built-in types: it loads with ``weights_only=True``.
 """
@@ -59,7 +59,7 @@ def training_state(learn: Learner, fit: int = 0, step_base: int = 0) -> dict[str
     """
     recorder = getattr(learn, "recorder", None)
     values = [] if recorder is None else [[_plain(x) for x in v] for v in recorder.values]
-    return {
+    state = {
         "model": get_model(learn.model).state_dict(),
         "opt": _plain_tree(learn.opt.state_dict()),
         "epoch": learn.epoch,
@@ -67,11 +67,19 @@ def training_state(learn: Learner, fit: int = 0, step_base: int = 0) -> dict[str
         FIT: fit,
         STEP_BASE: step_base,
     }
+    scaler = getattr(learn, "scaler", None)  # MixedPrecision's GradScaler: the same on every rank
+    if scaler is not None and scaler.is_enabled():
+        state["scaler"] = scaler.state_dict()
+    return state
 
 
 def restore(learn: Learner, state: dict[str, Any]) -> None:
-    """Put a :func:`training_state` back into ``learn`` (model and optimizer)."""
+    """Put a :func:`training_state` back into ``learn`` (model, optimizer, and MixedPrecision's loss scale: a
+    resumed fp16 run that started again from the initial scale would overflow and skip steps to find it)."""
     get_model(learn.model).load_state_dict(state["model"])
+    scaler = getattr(learn, "scaler", None)  # set by MixedPrecision's before_fit, which runs before RankSafe's
+    if scaler is not None and "scaler" in state:
+        scaler.load_state_dict(state["scaler"])
     opt = dict(state["opt"])
     if "hypers" in opt:  # a fastai Optimizer (OptimWrapper's state is torch's own)
         opt["hypers"] = L(opt["hypers"])
