@@ -142,6 +142,10 @@ _BULK_BYTES = 4 * 32768
 # page: every byte in between shares a page with a byte of a live tensor, so it is mapped and safe to read.
 _GAP = 1024
 _ALIGN = 64  # a staged range keeps its source address modulo this, which keeps every dtype in it aligned
+# A tensor this small that is somewhere else at the next snapshot (a score, a counter: a new tensor at every save)
+# becomes loose, copied on its own wherever it is, instead of costing a new plan at every save; at most this many.
+_LOOSE_BYTES = 64 * 1024
+_LOOSE_MAX = 64
 
 Segment = tuple[int, int, int]  # (dst address, src address, nbytes)
 
@@ -404,6 +408,13 @@ def _fill(obj: Any, staged: list[torch.Tensor]) -> Any:
 _REQUIRES_GRAD = object()  # the clothes of a plain tensor that requires grad
 
 
+def _plain_clothes(t: torch.Tensor) -> Any:
+    """The clothes of a plain tensor or Parameter (None: none)."""
+    if type(t) is not torch.Tensor:
+        return t.requires_grad
+    return _REQUIRES_GRAD if t.requires_grad else None
+
+
 def _dress(view: torch.Tensor, clothes: Any) -> torch.Tensor:
     """The staged copy in the original's clothes: a DTensor keeps its spec, a Parameter stays one, a tensor
     that requires grad still does (a new tensor object each time: the staged view is reused by every snapshot)."""
@@ -459,6 +470,10 @@ class StagingBuffers:
         self._guard: Any = None  # _layout_guard of the planned sources: the quick walk's check
         self._ptrs: list[int] = []  # their addresses, which the guard does not check
         self._clothes: dict[int, Any] = {}  # and their clothes (Parameter, requires_grad), which it does
+        self._loose: set[int] = set()  # tensors copied one by one into the loose area, wherever they are
+        self._stable: list[int] | None = None  # the others, when there are loose ones: what the guard checks
+        self._loose_at = self._loose_room = 0  # the loose area: where it starts in the host buffer, its bytes
+        self._planned_nbytes = 0
         self._bulk_dst: list[torch.Tensor] = []  # byte ranges for torch's threads: one call
         self._bulk_src: list[torch.Tensor] = []
         self._small: list[Segment] = []  # shorter byte ranges: memmove
@@ -474,14 +489,15 @@ class StagingBuffers:
 
     def _reserve_host(self, nbytes: int) -> None:
         """A host buffer of at least ``nbytes``: the current one if it fits and is not far too big. An eighth
-        more than asked, so a plan that moves a few tensors (new addresses, other gaps) keeps the buffer."""
+        more than asked, so a plan that moves a few tensors (new addresses, other gaps) keeps the buffer, and
+        :data:`_LOOSE_BYTES` more, so does the plan that makes a small one loose (pages unwritten cost nothing)."""
         size = 0 if self._host is None else len(self._host)
-        if nbytes <= size and nbytes >= size // 4:
+        if nbytes <= size and nbytes >= (size - _LOOSE_BYTES) // 4:
             return
         self._host = self._host_bytes = None  # free the old mapping first (snapshots holding views keep it alive)
         if nbytes:
             # private: a forked child's snapshots must not write into the parent's (mmap's default is shared)
-            self._host = mmap.mmap(-1, nbytes + nbytes // 8, flags=mmap.MAP_PRIVATE)
+            self._host = mmap.mmap(-1, nbytes + nbytes // 8 + _LOOSE_BYTES, flags=mmap.MAP_PRIVATE)
             self._host_bytes = torch.frombuffer(self._host, dtype=torch.uint8)
             self.allocations += 1
 
@@ -503,7 +519,7 @@ class StagingBuffers:
         first: dict[tuple, int] = {}  # a signature (bytes and layout) -> the first tensor with it
         same: dict[int, int] = {}  # a tensor -> the earlier one it duplicates (tied weights from state_dict())
         for i, t in enumerate(tensors):
-            if t.numel():
+            if t.numel() and i not in self._loose:  # loose ones: _lay_loose
                 _check_in_storage(t, i)
                 if sig[i] in first:
                     same[i] = first[sig[i]]
@@ -525,6 +541,10 @@ class StagingBuffers:
             pos += -pos % _ALIGN
             offsets[i] = pos
             pos += tensors[i].numel() * tensors[i].element_size()
+        # then the loose area: room for twice the loose tensors of now (their sizes may change)
+        self._loose_at = pos = pos + -pos % _ALIGN
+        self._loose_room = 2 * sum(_ALIGN + tensors[i].numel() * tensors[i].element_size() for i in self._loose)
+        pos += self._loose_room
         self._reserve_host(pos)
         pinned = {}
         for i in cuda:
@@ -553,16 +573,52 @@ class StagingBuffers:
             if views[i] is None:  # no elements: nothing to copy
                 views[i] = torch.empty(t.shape, dtype=t.dtype)
         self._views, self._others = views, others
-        self.nbytes = sum(tensors[i].numel() * tensors[i].element_size() for i in first.values())
+        self._planned_nbytes = self.nbytes = sum(tensors[i].numel() * tensors[i].element_size() for i in first.values())
+        if not self._lay_loose(tensors):  # cannot be: the area was sized for these very tensors
+            raise AssertionError("StagingBuffers: loose tensors do not fit the area planned for them")
         self._sig = sig
+
+    def _lay_loose(self, tensors: list[torch.Tensor]) -> bool:
+        """Give each loose tensor its place in the loose area, as it is now; False if one no longer fits there
+        (or is no longer a dense tensor): the caller makes a new plan."""
+        pos, end, nbytes = self._loose_at, self._loose_at + self._loose_room, 0
+        for i in self._loose:
+            t = tensors[i]
+            n = t.numel() * t.element_size()
+            pos += -pos % _ALIGN
+            if t.layout is not torch.strided or t.is_quantized or n > _LOOSE_BYTES or pos + n > end:
+                return False
+            if n:
+                _check_in_storage(t, i)
+            self._views[i] = self._host_view(t, pos) if n else torch.empty(t.shape, dtype=t.dtype)
+            pos, nbytes = pos + n, nbytes + n
+        self.nbytes = self._planned_nbytes + nbytes
+        return True
+
+    def _settle(self, tensors: list[torch.Tensor], sig: list) -> None:
+        """Make the plan fit the full walk's tensors. Kept while only loose tensors moved. A few small tensors
+        that moved become loose (a monitored score: Lightning's ModelCheckpoint puts a new tensor in every
+        checkpoint), at the price of this one new plan instead of one at every save. Anything else: a new plan.
+        """
+        if self._sig is not None and len(sig) == len(self._sig):
+            moved = {i for i, (now, then) in enumerate(zip(sig, self._sig, strict=True)) if now != then}
+            moved -= self._loose
+            if not moved and self._lay_loose(tensors):
+                return
+            small = all(tensors[i].numel() * tensors[i].element_size() <= _LOOSE_BYTES for i in moved)
+            if small and len(moved | self._loose) <= _LOOSE_MAX:
+                self._loose |= moved
+        else:  # other tensors altogether
+            self._loose = set()
+        self._plan(tensors, sig)
 
     def _walk(self, state: Any) -> _Walk:
         """Walk ``state`` and make sure the plan is the one for its tensors.
 
         The quick walk and a check in C first: they cost a third of the full walk (which reads ten attributes
         of every tensor in Python), and pass while the state's tensors keep the planned types, layouts and
-        addresses, as a model's do from one save to the next. Otherwise the full walk, a new plan if the
-        signature changed, and a guard for the next snapshot."""
+        addresses (loose ones aside), as a model's do from one save to the next. Otherwise the full walk, a new
+        plan if :meth:`_settle` needs one, and a guard for the next snapshot."""
         if self._guard is not None:
             try:
                 walk = _Walk(state, quick=True)
@@ -570,18 +626,36 @@ class StagingBuffers:
                 pass
             else:
                 if self._still_planned(walk):
-                    walk.clothes = self._clothes
                     return walk
         walk = _Walk(state)
-        if walk.sig != self._sig:
-            self._plan(walk.sources, walk.sig)
-        self._guard = _layout_guard(walk.sources) if walk.all_plain else None
-        self._ptrs, self._clothes = [t.data_ptr() for t in walk.sources], walk.clothes
+        self._settle(walk.sources, walk.sig)
+        loose, sources = self._loose, walk.sources
+        self._stable = [i for i in range(len(sources)) if i not in loose] if loose else None
+        guarded = sources if self._stable is None else [sources[i] for i in self._stable]
+        self._guard = _layout_guard(guarded) if walk.all_plain else None
+        self._ptrs = [0 if i in loose else t.data_ptr() for i, t in enumerate(sources)]
+        self._clothes = walk.clothes
         return walk
 
     def _still_planned(self, walk: _Walk) -> bool:
-        """Whether the quick walk's sources are laid out as the planned ones were: addresses, then the guard."""
-        return walk.ptrs == self._ptrs and self._guard.check(*walk.sources)
+        """Whether the quick walk's sources are laid out as the planned ones were (addresses, then the guard),
+        the loose ones aside, which are laid out again and dressed as they are now."""
+        ptrs, sources = walk.ptrs, walk.sources
+        if len(ptrs) != len(self._ptrs):
+            return False
+        if self._stable is None:
+            walk.clothes = self._clothes
+            return ptrs == self._ptrs and self._guard.check(*sources)
+        for i in self._loose:
+            ptrs[i] = 0
+        if not (ptrs == self._ptrs and self._guard.check(*[sources[i] for i in self._stable])):
+            return False
+        if not self._lay_loose(sources):
+            return False
+        walk.clothes = clothes = dict(self._clothes)
+        for i in self._loose:
+            clothes[i] = _plain_clothes(sources[i])
+        return True
 
     def capture(self, state: Any) -> Captured:
         """Copy every tensor of ``state`` into the buffers and deep-copy the rest, now; assemble later."""
@@ -599,6 +673,8 @@ class StagingBuffers:
                     devices.add(src.device)
             if self._bulk_src:
                 torch._foreach_copy_(self._bulk_dst, self._bulk_src)
+            for i in self._loose:
+                self._views[i].copy_(tensors[i])
         copy_small(self._small)
         for d in devices:  # one synchronisation per device for all the non-blocking copies
             torch.cuda.synchronize(d)
