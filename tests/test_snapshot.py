@@ -443,6 +443,8 @@ def test_a_small_tensor_new_at_every_snapshot_costs_one_new_plan_not_one_per_sna
         score = torch.tensor(float(i), requires_grad=i % 2 == 1)  # and its flag changes too
         if i == 12:
             score = torch.full((3, 2000), float(i))  # larger than the room planned for it: planned again
+        if i == 15:
+            score = torch.full((30_000,), float(i))  # too large to be loose: back in the ranges, planned again
         kept.append(score)  # the old scores stay alive: the new one is elsewhere in memory
         state["score"], state["step"] = score, i
         snap = staging.take(state)
@@ -450,7 +452,8 @@ def test_a_small_tensor_new_at_every_snapshot_costs_one_new_plan_not_one_per_sna
         assert torch.equal(snap["score"].detach(), torch.full_like(score, float(i))), i
         assert snap["score"].requires_grad == score.requires_grad and snap["step"] == i, i
         assert all(torch.equal(snap[k], v) for k, v in state.items() if k.startswith(("b", "w"))), i
-    assert plans[0] == 3  # the first, the one that found the score moving, and the one for the larger score
+    assert plans[0] == 5  # the first, the one that found the score moving, one for each larger score, and
+    # the one that made it loose again
     assert staging.allocations == 1 and staging._loose == {len(state) - 2}
 
 

@@ -408,6 +408,11 @@ def _fill(obj: Any, staged: list[torch.Tensor]) -> Any:
 _REQUIRES_GRAD = object()  # the clothes of a plain tensor that requires grad
 
 
+def _small(t: torch.Tensor) -> bool:
+    """Whether ``t`` may be loose (:data:`_LOOSE_BYTES`)."""
+    return t.numel() * t.element_size() <= _LOOSE_BYTES
+
+
 def _plain_clothes(t: torch.Tensor) -> Any:
     """The clothes of a plain tensor or Parameter (None: none)."""
     if type(t) is not torch.Tensor:
@@ -586,7 +591,7 @@ class StagingBuffers:
             t = tensors[i]
             n = t.numel() * t.element_size()
             pos += -pos % _ALIGN
-            if t.layout is not torch.strided or t.is_quantized or n > _LOOSE_BYTES or pos + n > end:
+            if t.layout is not torch.strided or t.is_quantized or not _small(t) or pos + n > end:
                 return False
             if n:
                 _check_in_storage(t, i)
@@ -605,8 +610,8 @@ class StagingBuffers:
             moved -= self._loose
             if not moved and self._lay_loose(tensors):
                 return
-            small = all(tensors[i].numel() * tensors[i].element_size() <= _LOOSE_BYTES for i in moved)
-            if small and len(moved | self._loose) <= _LOOSE_MAX:
+            self._loose = {i for i in self._loose if _small(tensors[i])}  # one that grew goes back to the ranges
+            if all(_small(tensors[i]) for i in moved) and len(moved | self._loose) <= _LOOSE_MAX:
                 self._loose |= moved
         else:  # other tensors altogether
             self._loose = set()
