@@ -14,6 +14,7 @@ training step a checkpoint follows, so a slow spell of the machine hits all meth
 
     python benchmarks/async_save.py --size-mib 100
     python benchmarks/async_save.py --size-mib 1024 --reps 5
+    python benchmarks/async_save.py --score   # and a new score tensor before every save, as Lightning's
 """
 
 from __future__ import annotations
@@ -149,7 +150,9 @@ def dcp_async(state: dict, directory: str) -> Method:
 Result = tuple[list[float], int, int | None]
 
 
-def run_methods(state: dict, reps: int, directory: str | None, only: list[str]) -> dict[str, Result]:
+def run_methods(
+    state: dict, reps: int, directory: str | None, only: list[str], score: bool = False
+) -> dict[str, Result]:
     """Blocked seconds per rep, and RSS held and peak RSS (bytes above the RSS before the method was set up);
     the floor always runs, as every ratio needs it.
 
@@ -157,13 +160,16 @@ def run_methods(state: dict, reps: int, directory: str | None, only: list[str]) 
     its own. Time: ``reps`` rounds, each timing every method once, in turn, :data:`SETTLE` seconds after the
     previous method's background write finished (what one method leaves running, a pool freeing its copies,
     does not land on the next one's clock) and right after a :class:`TrainingStep`. A slow spell of a shared
-    machine hits all methods alike.
+    machine hits all methods alike. ``score``: a new scalar tensor in the state before every timed save (the old
+    ones kept alive, so it is elsewhere in memory each time), as a monitored ``ModelCheckpoint`` puts in every
+    Lightning checkpoint.
     """
     makers = {"floor": floor_copy, "ranksafe": ranksafe_saver, "lightning": lightning_io, "dcp": dcp_async}
     names = ["floor", *(n for n in makers if n != "floor" and n in only)]
     methods: dict[str, Method] = {}
     memory: dict[str, tuple[int, int | None]] = {}
     times: dict[str, list[float]] = {}
+    scores: list[torch.Tensor] = []
     with tempfile.TemporaryDirectory(dir=directory) as work:
         try:
             for name in names:
@@ -184,6 +190,9 @@ def run_methods(state: dict, reps: int, directory: str | None, only: list[str]) 
                 for name, m in methods.items():
                     gc.collect()  # the garbage of the method before (DCP leaves thousands of objects) is not ours
                     time.sleep(SETTLE)
+                    if score:
+                        scores.append(torch.tensor(float(rep)))
+                        state["score"] = scores[-1]
                     step()
                     start = time.perf_counter()
                     m.save(rep)
@@ -205,21 +214,25 @@ def row(name: str, times: list[float], floor: float, held: int, top: int | None)
     )
 
 
-def measure(size_mib: int, small: int, reps: int, directory: str | None, method: str) -> tuple[dict, int, int]:
+def measure(
+    size_mib: int, small: int, reps: int, directory: str | None, method: str, score: bool = False
+) -> tuple[dict, int, int]:
     """The floor and ``method`` on a fresh state, interleaved (:func:`run_methods`); also the state's bytes
     and number of tensors."""
     state = make_state(size_mib, small)
-    return run_methods(state, reps, directory, [method]), nbytes(state), len(state["model"])
+    return run_methods(state, reps, directory, [method], score), nbytes(state), len(state["model"])
 
 
-def measure_apart(size_mib: int, small: int, reps: int, directory: str | None, method: str) -> tuple[dict, int, int]:
+def measure_apart(
+    size_mib: int, small: int, reps: int, directory: str | None, method: str, score: bool = False
+) -> tuple[dict, int, int]:
     """:func:`measure` in a process of its own. Methods share nothing: a library that runs torch ops on a
     thread of its own (DCP's stager) gives OpenMP a second team, more threads than cores, and from then on
     OpenMP puts its threads to sleep between parallel regions in that process. Measured here: the floor went
     from 8.5 ms to a bimodal 10-16 ms, and ranksafe (one region per large tensor) from 9.1 to 13.1 ms."""
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
-        return pool.submit(measure, size_mib, small, reps, directory, method).result()
+        return pool.submit(measure, size_mib, small, reps, directory, method, score).result()
 
 
 METHODS = ("ranksafe", "lightning", "dcp")
@@ -265,11 +278,12 @@ def main() -> None:
     p.add_argument("--small", type=int, default=1000, help="number of small (4 KiB) tensors in the state")
     p.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     p.add_argument("--only", nargs="*", default=list(METHODS), choices=METHODS)
+    p.add_argument("--score", action="store_true", help="a new scalar tensor in the state before every save")
     args = p.parse_args()
     print(f"{args.reps} reps; torch {torch.__version__}; {os.cpu_count()} CPUs; each method in its own process")
     print("blocked ms:   min   median      max   median/floor max/floor   extra RSS MiB: held  peak")
     for method in args.only:
-        results, size, count = measure_apart(args.size_mib, args.small, args.reps, args.dir, method)
+        results, size, count = measure_apart(args.size_mib, args.small, args.reps, args.dir, method, args.score)
         floor = statistics.median(results["floor"][0])
         print(f"-- {method}: state of {count} tensors, {size / MiB:.0f} MiB, beside its own floor")
         for name, (times, held, top) in results.items():
