@@ -423,6 +423,27 @@ def test_a_state_laid_out_as_planned_takes_the_quick_walk_and_any_change_at_the_
         assert type(back) is type(model[key]) and torch.equal(back, model[key].detach()), n
 
 
+def test_a_guard_that_rejects_its_own_tensors_is_not_used(monkeypatch):
+    """Another torch whose guard means something else: no quick walk wasted on every save, and still exact."""
+
+    class Contrary:
+        def __init__(self, *tensors, **kwargs):
+            pass
+
+        def check(self, *tensors):
+            return False
+
+    monkeypatch.setattr(snapshot, "TensorGuards", Contrary)
+    full_walks = _count_full_walks(monkeypatch)
+    quick = []
+    monkeypatch.setattr(snapshot._Walk, "_mapping_quick", lambda self, obj, out: quick.append(obj))
+    state, staging = {"w": torch.randn(10)}, StagingBuffers()
+    for i in range(3):
+        state["w"].fill_(i)
+        assert torch.equal(staging.take(state)["w"], state["w"])
+    assert full_walks[0] == 3 and quick == []
+
+
 @pytest.mark.parametrize("guard", ["torch's guard", "no guard in this torch"])
 def test_a_small_tensor_new_at_every_snapshot_costs_one_new_plan_not_one_per_snapshot(monkeypatch, guard):
     """A monitored score (Lightning's ModelCheckpoint keeps a new tensor in every checkpoint) made a new plan at

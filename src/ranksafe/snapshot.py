@@ -209,13 +209,15 @@ def _layout_guard(tensors: list[torch.Tensor]) -> Any:
     lazy conjugate or negation), ``requires_grad``, sizes and strides of ``tensors``: what torch.compile guards a
     compiled graph with. None where this torch has no such check, or it cannot be built; then every snapshot
     takes the full walk. Only for plain CPU or CUDA tensors, which all have sizes and strides: the check reads
-    them first, and a tensor without them (a nested one) aborts the process."""
+    them first, and a tensor without them (a nested one) aborts the process. None too if the check rejects the
+    very tensors it was built from (another torch, other semantics): it would only add a walk to every save."""
     if TensorGuards is None:
         return None
     try:
-        return TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+        guard = TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
     except (TypeError, RuntimeError):  # another torch, another signature: the full walk is still right
         return None
+    return guard if guard.check(*tensors) else None
 
 
 def _is_dtensor(t: Any) -> bool:
