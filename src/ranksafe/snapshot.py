@@ -310,12 +310,9 @@ class _Walk:
         slot = self._add(t, local)
         if local is not t or local.device.type not in ("cpu", "cuda"):
             self.all_plain = False
-        if local is not t:
-            self.clothes[slot.index] = t._spec
-        elif type(t) is not torch.Tensor:
-            self.clothes[slot.index] = t.requires_grad
-        elif t.requires_grad:
-            self.clothes[slot.index] = _REQUIRES_GRAD
+        clothes = t._spec if local is not t else _plain_clothes(t)
+        if clothes is not None:
+            self.clothes[slot.index] = clothes
         return slot
 
     def _tensor_quick(self, t: torch.Tensor) -> Any:
@@ -659,9 +656,10 @@ class StagingBuffers:
             return False
         if not self._lay_loose(sources):
             return False
-        walk.clothes = clothes = dict(self._clothes)
+        walk.clothes = clothes = {i: c for i, c in self._clothes.items() if i not in self._loose}
         for i in self._loose:
-            clothes[i] = _plain_clothes(sources[i])
+            if (c := _plain_clothes(sources[i])) is not None:
+                clothes[i] = c
         return True
 
     def capture(self, state: Any) -> Captured:
