@@ -42,14 +42,16 @@ case "$job" in
     export PATH="$PWD/$VENV/bin:$PATH"
     ruff check src tests nbs chaos benchmarks docs/_ext
     ruff format --check src tests nbs chaos benchmarks docs/_ext
-    # The docs site, strict: a broken link or cross-reference fails the run (docstrings: tests/test_docstrings.py).
     site=$(mktemp -d)
-    trap 'rm -rf "$site"' EXIT
-    # The tutorials are executed for their pages (outputs shown); a cell that raises fails the build.
-    NO_MKDOCS_2_WARNING=1 timeout 900 mkdocs build --strict -d "$site"  # not --quiet: it hides the warnings
+    executed=$(mktemp -d)
+    trap 'rm -rf "$site" "$executed"' EXIT
     # pytest exits 5 when it collected nothing: that is a failure here, as is any other non-zero code.
-    # --nbmake runs each notebook in nbs/ top to bottom as one test (it collects only .ipynb files).
-    pytest --nbmake tests nbs "${@:2}" ;;
+    # tests/test_notebooks.py runs each tutorial in nbs/ top to bottom and keeps the executed copy.
+    RANKSAFE_EXECUTED_NOTEBOOKS=$executed pytest "${@:2}"
+    # The docs site, strict: a broken link or cross-reference fails the run (docstrings: tests/test_docstrings.py).
+    # The tutorial pages show the outputs of the run above (docs/_ext/executed_notebooks.py), not a second run.
+    RANKSAFE_EXECUTED_NOTEBOOKS=$executed NO_MKDOCS_2_WARNING=1 timeout 900 mkdocs build --strict -d "$site"  # not --quiet: it hides the warnings
+    ;;
   *)
     echo "usage: bash dev.sh demo|test [args]" >&2; exit 2 ;;
 esac
