@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import collections
+import ctypes
 import io
+import mmap
 import threading
 import time
 
@@ -337,6 +339,28 @@ def test_ranges_follow_addresses_whatever_the_order_dtype_alignment_or_overlap(m
     raw.fill_(7)
     state["far"].fill_(7)
     assert all(same_bits(snap[k], before[k]) for k in state)  # copies, taken when take() ran
+
+
+def test_long_tensors_with_no_whole_page_between_them_are_one_range_and_no_other_page_is_read(monkeypatch):
+    """malloc gives each large tensor a mapping of its own, one page apart: one range for all of them. A whole
+    page between two tensors may be unmapped: here it is made unreadable, and a copy across it would crash."""
+    calls = _foreach_calls(monkeypatch)
+    page, n = mmap.PAGESIZE, _BULK_BYTES
+    area = mmap.mmap(-1, 4 * n + 6 * page)
+    raw = torch.frombuffer(area, dtype=torch.uint8)
+    raw.copy_(torch.randint(0, 255, raw.shape, dtype=torch.uint8))
+    state = {  # offsets in the page-aligned area
+        "a": raw[64 : 64 + n],
+        "b": raw[n + page + 64 : 2 * n + page + 64],  # one page after "a" ends, no whole page between: joins it
+        "c": raw[2 * n + 3 * page + 64 : 3 * n + 3 * page + 64],  # the page before it is unreadable: apart
+        "short": raw[3 * n + 4 * page + 64 : 3 * n + 4 * page + 64 + 4096],  # one page after "c", short: apart
+    }
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    assert libc.mprotect(raw.data_ptr() + 2 * n + 2 * page, page, 0) == 0, ctypes.get_errno()  # PROT_NONE
+    snap = StagingBuffers().take(state)
+    assert calls == [[2 * n + page, n]]  # "a" to "b" as one range, "c" alone
+    assert all(torch.equal(snap[k], v) for k, v in state.items())
 
 
 def test_the_copy_plan_is_reused_only_while_every_tensor_stays_where_it_was():

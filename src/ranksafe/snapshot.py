@@ -141,6 +141,7 @@ _BULK_BYTES = 4 * 32768
 # Tensors whose bytes are closer than this are copied as one range with the bytes between them. Less than a
 # page: every byte in between shares a page with a byte of a live tensor, so it is mapped and safe to read.
 _GAP = 1024
+_PAGE = mmap.PAGESIZE
 _ALIGN = 64  # a staged range keeps its source address modulo this, which keeps every dtype in it aligned
 # A tensor this small that is somewhere else at the next snapshot (a score, a counter: a new tensor at every save)
 # becomes loose, copied on its own wherever it is, instead of costing a new plan at every save; at most this many.
@@ -172,18 +173,30 @@ def copy_small(segments: list[Segment]) -> None:
 
 def _runs(tensors: list[torch.Tensor], indices: list[int]) -> list[tuple[int, int, list[int]]]:
     """``(start, end, members)`` byte ranges covering the given tensors: by address, a tensor starting less
-    than :data:`_GAP` bytes after the range so far (or inside it: overlapping views) joins it."""
+    than :data:`_GAP` bytes after the range so far (or inside it: overlapping views) joins it, and so does a
+    long one separated from a long range by no whole page (:data:`_PAGE`)."""
     runs: list[tuple[int, int, list[int]]] = []
     for i in sorted(indices, key=lambda i: tensors[i].data_ptr()):
         start = tensors[i].data_ptr()
         end = start + tensors[i].numel() * tensors[i].element_size()
-        if runs and start - runs[-1][1] < _GAP:
+        if runs and _joins(*runs[-1][:2], start, end):
             first, last, members = runs[-1]
             members.append(i)
             runs[-1] = (first, max(last, end), members)
         else:
             runs.append((start, end, [i]))
     return runs
+
+
+def _joins(first: int, last: int, start: int, end: int) -> bool:
+    """Whether bytes ``[start, end)`` join the range ``[first, last)`` that ends before or over them. Near:
+    less than :data:`_GAP` apart. Or both long and no whole page between them: large tensors each get a mapping
+    of their own from malloc, one page apart (measured: 4,096 bytes between 1-4 MiB tensors), and one range for
+    all costs one of torch's parallel copies instead of one per tensor; every byte between them is on the last
+    page of the one or the first page of the other, so it is mapped while they are alive."""
+    if start - last < _GAP:
+        return True
+    return start // _PAGE - (last - 1) // _PAGE <= 1 and last - first >= _BULK_BYTES and end - start >= _BULK_BYTES
 
 
 def _bytes_at(address: int, nbytes: int) -> torch.Tensor:
@@ -448,15 +461,15 @@ class StagingBuffers:
     """Reusable destination of snapshots: one host buffer for every CPU tensor, one pinned buffer per dtype for
     CUDA tensors, allocated once and reused while the state fits.
 
-    Tensors whose bytes lie within :data:`_GAP` of each other in memory (the small tensors of a model, allocated
-    one after another; views into one flat buffer) are copied as one byte range, the few bytes between them
-    included; every staged tensor is then given a storage of its own bytes only, so what is saved is exactly
-    the tensors, never the bytes between them. The copy plan (which ranges go where) is kept, keyed by every
-    tensor's dtype, shape, strides and address: saving the same model again costs one walk over the state and
-    the copy, nothing else. That walk is a quick one while the state's tensors keep their types, layouts and
-    addresses: it reads two flags and the address of each tensor in Python, and torch.compile's guard checks
-    the rest in C (:meth:`_walk`); 1.2 ms instead of 3.0 ms for 1,040 tensors right after a training step
-    here. The snapshot's tensors stay valid until the next capture, so the caller must not
+    Tensors whose bytes lie within :data:`_GAP` of each other in memory (the small tensors of a model, allocated one
+    after another; views into one flat buffer), or long ones with no whole page between them (:func:`_joins`), are
+    copied as one byte range, the few bytes between them included; every staged tensor is then given a storage of
+    its own bytes only, so what is saved is exactly the tensors, never the bytes between them. The copy plan (which
+    ranges go where) is kept, keyed by every tensor's dtype, shape, strides and address: saving the same model again
+    costs one walk over the state and the copy, nothing else. That walk is a quick one while the state's tensors
+    keep their types, layouts and addresses: it reads two flags and the address of each tensor in Python, and
+    torch.compile's guard checks the rest in C (:meth:`_walk`); 1.2 ms instead of 3.0 ms for 1,040 tensors right
+    after a training step here. The snapshot's tensors stay valid until the next capture, so the caller must not
     take a new snapshot while the previous one is being written.
 
     Who copies: ranges of at least :data:`_BULK_BYTES` go to torch in one ``_foreach_copy_`` call, which runs
