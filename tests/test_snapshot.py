@@ -523,6 +523,20 @@ def test_a_nested_tensor_at_a_planned_address_does_not_reach_the_guard():
     ]
 
 
+@pytest.mark.parametrize("layout", ["sparse_coo", "sparse_csr"])
+def test_a_tensor_without_storage_after_the_plan_takes_the_full_walk(layout):
+    """A sparse tensor has no address to check: the quick walk leaves it to the full walk, which copies it."""
+    state = {"w": torch.ones(2), "x": torch.randn(4, 4)}
+    staging = StagingBuffers()
+    staging.take(state)
+    dense = torch.eye(4)
+    state["x"] = dense.to_sparse() if layout == "sparse_coo" else dense.to_sparse_csr()
+    snap = staging.take(state)
+    assert snap["x"].layout == state["x"].layout and torch.equal(snap["x"].to_dense(), dense)
+    state["x"].values().mul_(3)  # a copy, not the tensor itself
+    assert torch.equal(snap["x"].to_dense(), dense)
+
+
 def test_a_large_snapshot_copies_every_kind_of_tensor_exactly():
     torch.manual_seed(0)
     state = {

@@ -238,6 +238,7 @@ def _is_dtensor(t: Any) -> bool:
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_COMPRESSED = frozenset({torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc})
 # Immutable leaves: deepcopy would return them unchanged, at the price of a function call each.
 _ATOMS = frozenset({int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size})
 
@@ -312,7 +313,7 @@ class _Walk:
         if local is t and type(t) not in _PLAIN_TENSORS:
             self.all_plain = False
             return copy.deepcopy(t, self.memo)  # an unknown tensor subclass: no flat buffer can hold it
-        if local.is_nested:  # no sizes or strides to lay it out by, and deepcopy cannot make one: clone it
+        if local.is_nested or local.layout in _COMPRESSED:  # no layout to copy by, and deepcopy fails: clone it
             self.all_plain = False
             if id(t) not in self.memo:
                 self.memo[id(t)] = t.detach().clone()
@@ -639,7 +640,7 @@ class StagingBuffers:
         if self._guard is not None:
             try:
                 walk = _Walk(state, quick=True)
-            except _NotQuick:
+            except (_NotQuick, RuntimeError):  # RuntimeError: a tensor without storage (sparse) has no address
                 pass
             else:
                 if self._still_planned(walk):
