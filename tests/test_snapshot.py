@@ -233,19 +233,22 @@ def test_thousands_of_tensors_take_one_buffer_reused_across_snapshots():
     assert staging.allocations == 2 and all(torch.equal(snap4[k], state[k]) for k in state)
 
 
-def test_snapshot_keeps_structure_ties_parameters_and_deep_copies_the_rest():
+def test_snapshot_keeps_structure_ties_parameters_and_deep_copies_the_rest(monkeypatch):
+    full_walks = _count_full_walks(monkeypatch)
     staging = StagingBuffers()
     w = torch.nn.Parameter(torch.randn(4, 4))
     t = torch.randn(6, 4).t()  # not contiguous
     Point = collections.namedtuple("Point", "x y")
-    state = {"w": w, "tied": [w, w], "t": t, "meta": {"lr": [0.1]}, "pt": Point(1, t), "n": None}
-    snap = staging.take(state)
-    state["meta"]["lr"].append(0.2)  # non-tensor state changes after the call: the snapshot must not
-    assert snap["meta"] == {"lr": [0.1]}
-    assert isinstance(snap["w"], torch.nn.Parameter) and torch.equal(snap["w"], w)
-    assert snap["tied"][0] is snap["tied"][1] is snap["w"]  # one copy, still tied
-    assert torch.equal(snap["t"], t) and isinstance(snap["pt"], Point) and snap["pt"].y is snap["t"]
-    assert snap["n"] is None
+    for _ in range(3):  # the plan, then the quick walk (which does not tell tensors apart by identity)
+        state = {"w": w, "tied": [w, w], "t": t, "meta": {"lr": [0.1]}, "pt": Point(1, t), "n": None}
+        snap = staging.take(state)
+        state["meta"]["lr"].append(0.2)  # non-tensor state changes after the call: the snapshot must not
+        assert snap["meta"] == {"lr": [0.1]}
+        assert isinstance(snap["w"], torch.nn.Parameter) and torch.equal(snap["w"], w)
+        assert snap["tied"][0] is snap["tied"][1] is snap["w"]  # one copy, still tied
+        assert torch.equal(snap["t"], t) and isinstance(snap["pt"], Point) and snap["pt"].y is snap["t"]
+        assert snap["n"] is None
+    assert full_walks[0] == 1
 
 
 def _dtensor_snapshot(rank):
@@ -447,6 +450,20 @@ def test_a_state_laid_out_as_planned_takes_the_quick_walk_and_any_change_at_the_
         assert type(back) is type(model[key]) and torch.equal(back, model[key].detach()), n
 
 
+def test_one_object_met_twice_takes_the_quick_walk_and_another_object_in_its_place_is_seen(monkeypatch):
+    """torch's guard rejects an object passed twice, so it checks a repeated object once, and the quick walk
+    checks that the repeat is still that object: another tensor at the same address may have another layout."""
+    full_walks = _count_full_walks(monkeypatch)
+    w, staging = torch.randn(16), StagingBuffers()
+    for _ in range(3):
+        snap = staging.take({"a": w, "b": w})
+        assert snap["a"] is snap["b"] and torch.equal(snap["a"], w)
+    assert full_walks[0] == 1
+    snap = staging.take({"a": w, "b": w.view(torch.int32)})
+    assert snap["b"].dtype == torch.int32 and torch.equal(snap["b"], w.view(torch.int32))
+    assert full_walks[0] == 2
+
+
 def test_a_guard_that_rejects_its_own_tensors_is_not_used(monkeypatch):
     """Another torch whose guard means something else: no quick walk wasted on every save, and still exact."""
 
@@ -491,15 +508,16 @@ def test_a_small_tensor_new_at_every_snapshot_costs_one_new_plan_not_one_per_sna
         if i == 15:
             score = torch.full((30_000,), float(i))  # too large to be loose: back in the ranges, planned again
         kept.append(score)  # the old scores stay alive: the new one is elsewhere in memory
-        state["score"], state["step"] = score, i
+        state["score"], state["top"], state["step"] = score, score, i  # the same tensor twice, as Lightning keeps it
         snap = staging.take(state)
         score.data.add_(100)  # after the snapshot: must not reach it
         assert torch.equal(snap["score"].detach(), torch.full_like(score, float(i))), i
+        assert snap["top"] is snap["score"], i  # copied once, still one tensor
         assert snap["score"].requires_grad == score.requires_grad and snap["step"] == i, i
         assert all(torch.equal(snap[k], v) for k, v in state.items() if k.startswith(("b", "w"))), i
     assert plans[0] == 5  # the first, the one that found the score moving, one for each larger score, and
     # the one that made it loose again
-    assert staging.allocations == 1 and staging._loose == {len(state) - 2}
+    assert staging.allocations == 1 and staging._loose == {200 + 1, 200 + 2}  # "score" and "top"
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # torch.nested is a prototype
@@ -523,6 +541,7 @@ def test_a_nested_tensor_at_a_planned_address_does_not_reach_the_guard():
     ]
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")  # sparse CSR is in beta
 @pytest.mark.parametrize("layout", ["sparse_coo", "sparse_csr"])
 def test_a_tensor_without_storage_after_the_plan_takes_the_full_walk(layout):
     """A sparse tensor has no address to check: the quick walk leaves it to the full walk, which copies it."""
@@ -535,6 +554,19 @@ def test_a_tensor_without_storage_after_the_plan_takes_the_full_walk(layout):
     assert snap["x"].layout == state["x"].layout and torch.equal(snap["x"].to_dense(), dense)
     state["x"].values().mul_(3)  # a copy, not the tensor itself
     assert torch.equal(snap["x"].to_dense(), dense)
+
+
+def test_a_tensor_on_another_device_at_a_planned_address_is_seen_by_the_guard():
+    """The quick walk reads no device: an empty meta tensor has the planned empty tensor's address (0), and
+    the guard tells them apart."""
+    state = {"w": torch.randn(10), "e": torch.empty(0)}
+    staging = StagingBuffers()
+    staging.take(state)
+    staging.take(state)
+    meta = torch.empty(0, device="meta")
+    assert meta.data_ptr() == state["e"].data_ptr()
+    assert staging.take(state | {"e": meta})["e"].device.type == "meta"
+    assert staging.take(state)["e"].device.type == "cpu"
 
 
 def test_a_large_snapshot_copies_every_kind_of_tensor_exactly():
