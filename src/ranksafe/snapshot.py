@@ -282,8 +282,8 @@ class _Walk:
 
     ``quick=True`` reads none of the signature: it takes every plain tensor (or Parameter) as a source, raises
     :class:`_NotQuick` at a nested one or any other kind of tensor (RuntimeError at one without storage), and
-    leaves ``sig`` empty. Its sources are staged by
-    the previous plan only once :meth:`StagingBuffers._still_planned` has checked them against it.
+    leaves ``sig`` empty. Its sources are staged by the previous plan only once
+    :meth:`StagingBuffers._still_planned` has checked them against it.
     """
 
     def __init__(self, state: Any, quick: bool = False) -> None:
@@ -474,8 +474,8 @@ class StagingBuffers:
     its own bytes only, so what is saved is exactly the tensors, never the bytes between them. The copy plan (which
     ranges go where) is kept, keyed by every tensor's dtype, shape, strides and address: saving the same model again
     costs one walk over the state and the copy, nothing else. That walk is a quick one while the state's tensors
-    keep their types, layouts and addresses: it reads two flags and the address of each tensor in Python, and
-    torch.compile's guard checks the rest in C (:meth:`_walk`); 1.2 ms instead of 3.0 ms for 1,040 tensors right
+    keep their types, layouts and addresses: it reads a flag and the address of each tensor in Python, and
+    torch.compile's guard checks the rest in C (:meth:`_walk`); 0.9 ms instead of 3.0 ms for 1,040 tensors right
     after a training step here. The snapshot's tensors stay valid until the next capture, so the caller must not
     take a new snapshot while the previous one is being written.
 
