@@ -688,6 +688,9 @@ class StagingBuffers:
             return False
         if not self._guard.check(*[sources[i] for i in self._guarded]):
             return False
+        if not self._loose:  # repeats only: the planned layout and clothes hold as they are
+            walk.clothes = self._clothes
+            return True
         if not self._lay_loose(sources):
             return False
         walk.clothes = clothes = {i: c for i, c in self._clothes.items() if i not in self._loose}
