@@ -485,12 +485,7 @@ def test_a_guard_that_rejects_its_own_tensors_is_not_used(monkeypatch):
     assert full_walks[0] == 3 and quick == []
 
 
-@pytest.mark.parametrize("guard", ["torch's guard", "no guard in this torch"])
-def test_a_small_tensor_new_at_every_snapshot_costs_one_new_plan_not_one_per_snapshot(monkeypatch, guard):
-    """A monitored score (Lightning's ModelCheckpoint keeps a new tensor in every checkpoint) made a new plan at
-    every save: 18 ms of 29 for a state of 1,040 tensors. It becomes loose, copied on its own wherever it is."""
-    if guard == "no guard in this torch":
-        monkeypatch.setattr(snapshot, "TensorGuards", None)
+def _count_plans(monkeypatch) -> list[int]:
     plans = [0]
     plan = StagingBuffers._plan
 
@@ -499,6 +494,16 @@ def test_a_small_tensor_new_at_every_snapshot_costs_one_new_plan_not_one_per_sna
         return plan(self, *args)
 
     monkeypatch.setattr(StagingBuffers, "_plan", counted)
+    return plans
+
+
+@pytest.mark.parametrize("guard", ["torch's guard", "no guard in this torch"])
+def test_a_small_tensor_new_at_every_snapshot_costs_one_new_plan_not_one_per_snapshot(monkeypatch, guard):
+    """A monitored score (Lightning's ModelCheckpoint keeps a new tensor in every checkpoint) made a new plan at
+    every save: 18 ms of 29 for a state of 1,040 tensors. It becomes loose, copied on its own wherever it is."""
+    if guard == "no guard in this torch":
+        monkeypatch.setattr(snapshot, "TensorGuards", None)
+    plans = _count_plans(monkeypatch)
     state = {f"b{i}": torch.randn(64) for i in range(200)} | {"w": torch.randn(100_000), "step": 0}
     staging, kept = StagingBuffers(), []
     for i in range(20):
@@ -515,9 +520,54 @@ def test_a_small_tensor_new_at_every_snapshot_costs_one_new_plan_not_one_per_sna
         assert snap["top"] is snap["score"], i  # copied once, still one tensor
         assert snap["score"].requires_grad == score.requires_grad and snap["step"] == i, i
         assert all(torch.equal(snap[k], v) for k, v in state.items() if k.startswith(("b", "w"))), i
-    assert plans[0] == 5  # the first, the one that found the score moving, one for each larger score, and
-    # the one that made it loose again
+    assert plans[0] == 4  # the first, the one that found the score moving, the one that took it back into the
+    # ranges when it grew too large to be loose, and the one that made it loose again (the larger score of i=12
+    # fits the buffer's slack)
     assert staging.allocations == 1 and staging._loose == {200 + 1, 200 + 2}  # "score" and "top"
+
+
+@pytest.mark.parametrize("guard", ["torch's guard", "no guard in this torch"])
+def test_tensors_added_before_others_keep_the_plan_and_one_gone_makes_a_new_one(monkeypatch, guard):
+    """A list of tensors that grows at every save shifts the position of every tensor after it: Lightning's
+    ModelCheckpoint(save_top_k=-1) keeps a score per checkpoint in ``best_k_models``, and its callback state comes
+    before the optimizer state. Matched by position, every save made a new plan (20 in 20 saves); matched by
+    signature, the newcomers are loose and the plan stays, until a planned tensor is gone."""
+    if guard == "no guard in this torch":
+        monkeypatch.setattr(snapshot, "TensorGuards", None)
+    plans = _count_plans(monkeypatch)
+    model = {f"b{i}": torch.randn(64) for i in range(100)} | {"w": torch.randn(100_000)}
+    moments = {f"m{i}": torch.randn(64) for i in range(100)}
+    best_k: dict[str, torch.Tensor] = {}
+    staging = StagingBuffers()
+
+    def snapshot_is_exact() -> None:
+        state = {
+            "state_dict": {k: v.detach() for k, v in model.items()},  # new objects, same memory: as state_dict()
+            "callbacks": {"best_k_models": dict(best_k), "step": len(best_k)},
+            "optimizer_states": [{k: v.detach() for k, v in moments.items()}],
+        }
+        want = {k: v.clone() for k, v in [*model.items(), *moments.items(), *best_k.items()]}
+        snap = staging.take(state)
+        for t in [*model.values(), *moments.values(), *best_k.values()]:
+            t.add_(1)  # after the snapshot: must not reach it
+        got = snap["state_dict"] | snap["optimizer_states"][0] | snap["callbacks"]["best_k_models"]
+        assert got.keys() == want.keys() and snap["callbacks"]["step"] == len(best_k)
+        assert all(torch.equal(got[k], want[k]) for k in want)
+
+    for epoch in range(20):
+        best_k[f"epoch={epoch}.ckpt"] = torch.tensor(float(epoch))
+        snapshot_is_exact()
+    assert plans[0] == 1 and len(staging._loose) == 19  # every score after the first one planned
+    del best_k["epoch=0.ckpt"]  # the one planned score is gone: its bytes must not be read again
+    snapshot_is_exact()
+    assert plans[0] == 2 and len(staging._loose) == 19  # a new plan, the others still loose
+    for epoch in range(20, 90):  # more newcomers than may be loose (64): planned with the others, and again
+        best_k[f"epoch={epoch}.ckpt"] = torch.full((epoch,), float(epoch))
+        snapshot_is_exact()
+    assert plans[0] == 3 and staging.allocations == 1
+    model["w"] = torch.randn(100_000)  # a large newcomer (and a large tensor gone): a new plan
+    snapshot_is_exact()
+    assert plans[0] == 4 and not staging._loose
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # torch.nested is a prototype

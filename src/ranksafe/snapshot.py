@@ -566,11 +566,12 @@ class StagingBuffers:
             pos += -pos % _ALIGN
             offsets[i] = pos
             pos += tensors[i].numel() * tensors[i].element_size()
-        # then the loose area: room for twice the loose tensors of now (their sizes may change)
+        # then the loose area: at least twice the loose tensors of now (their sizes may change), and whatever the
+        # buffer has beyond that (its slack: _reserve_host), for tensors that become loose later without a plan
         self._loose_at = pos = pos + -pos % _ALIGN
-        self._loose_room = 2 * sum(_ALIGN + tensors[i].numel() * tensors[i].element_size() for i in self._loose)
-        pos += self._loose_room
+        pos += 2 * sum(_ALIGN + tensors[i].numel() * tensors[i].element_size() for i in self._loose)
         self._reserve_host(pos)
+        self._loose_room = (0 if self._host is None else len(self._host)) - self._loose_at
         pinned = {}
         for i in cuda:
             offsets[i] = pinned.get(tensors[i].dtype, 0)
@@ -628,21 +629,41 @@ class StagingBuffers:
         return True
 
     def _settle(self, tensors: list[torch.Tensor], sig: list) -> None:
-        """Make the plan fit the full walk's tensors. Kept while only loose tensors moved. A few small tensors
-        that moved become loose (a monitored score: Lightning's ModelCheckpoint puts a new tensor in every
-        checkpoint), at the price of this one new plan instead of one at every save. Anything else: a new plan.
+        """Make the plan fit the full walk's tensors, matched to the planned ones by signature (dtype, shape,
+        strides, address, flags), not by position: a tensor added before others (a growing list of scores, such
+        as Lightning's ``best_k_models`` with ``save_top_k=-1``) shifts the positions of all that follow.
+
+        The plan is kept while every planned tensor is still there, as planned, and the others are a few small
+        ones: those become loose (a monitored score: Lightning's ModelCheckpoint puts a new tensor in every
+        checkpoint), copied on their own. A planned tensor that is gone or moved forces a new plan (its bytes
+        are in the copied ranges, and its memory may be freed), with the small newcomers loose; anything else
+        (a large newcomer, many) a new plan with none loose.
         """
-        if self._sig is not None and len(sig) == len(self._sig):
-            moved = {i for i, (now, then) in enumerate(zip(sig, self._sig, strict=True)) if now != then}
-            moved -= self._loose
-            if not moved and self._lay_loose(tensors):
-                return
-            self._loose = {i for i in self._loose if _small(tensors[i])}  # one that grew goes back to the ranges
-            if all(_small(tensors[i]) for i in moved) and len(moved | self._loose) <= _LOOSE_MAX:
-                self._loose |= moved
-        else:  # other tensors altogether
+        if self._sig is not None:
+            planned: dict[tuple, int] = {}  # a planned signature -> the first planned tensor with it
+            for j, s in enumerate(self._sig):
+                if j not in self._loose:
+                    planned.setdefault(s, j)
+            found = [planned.get(s) for s in sig]
+            new = {i for i, j in enumerate(found) if j is None}
+            if len(new) > _LOOSE_MAX or not all(_small(tensors[i]) for i in new):
+                self._loose = set()
+            else:
+                self._loose = new
+                if len(planned) == len(set(found) - {None}) and self._renumber(found, tensors):
+                    self._sig = sig
+                    return
+        else:
             self._loose = set()
         self._plan(tensors, sig)
+
+    def _renumber(self, found: list[int | None], tensors: list[torch.Tensor]) -> bool:
+        """Keep the plan for tensors numbered anew: ``found[i]`` is the planned number of tensor ``i``, None
+        for a loose one, which is laid out again; False if those do not fit the loose area."""
+        others = set(self._others)
+        self._views = [torch.empty(0) if j is None else self._views[j] for j in found]
+        self._others = list({j: i for i, j in enumerate(found) if j in others}.values())  # tied: copied once
+        return self._lay_loose(tensors)
 
     def _walk(self, state: Any) -> _Walk:
         """Walk ``state`` and make sure the plan is the one for its tensors.
