@@ -9,11 +9,14 @@ each node falls back to its own root directory (a different path per node).
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 
 import pytest
+import torch
 
 from ranksafe import collectives, storage
+from ranksafe.checkpoint import CheckpointManager
 from tests.ranks import run_ranks
 
 _CLONE_NEWNS, _MS_BIND, _MS_REC, _MS_PRIVATE = 0x00020000, 0x1000, 0x4000, 0x40000
@@ -128,3 +131,61 @@ def test_explicit_storage_overrides_the_probe_without_collectives(tmp_path):
 def test_unknown_storage_is_rejected():
     with pytest.raises(ValueError, match="storage must be"):
         storage.placement("/tmp", "nfs")
+
+
+_MS_RDONLY, _MS_REMOUNT = 0x1, 0x20
+
+
+def _read_only(root: str, own_namespace: bool) -> str:
+    """Make ``root`` read-only for this process (a bind mount remounted read-only, which holds for root too), in
+    its own mount namespace unless it has one already; where mounts are not permitted, refuse the probe's token
+    as a read-only file system would. Returns which of the two it did."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    mounted = (
+        (own_namespace or libc.unshare(_CLONE_NEWNS) == 0)
+        and (own_namespace or libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None) == 0)
+        and libc.mount(root.encode(), root.encode(), None, _MS_BIND, None) == 0
+        and libc.mount(b"none", root.encode(), None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY, None) == 0
+    )
+    if mounted:
+        return "mount"
+    real_open = os.open
+
+    def read_only_open(path, flags, *args, **kwargs):
+        if storage.PROBE_PREFIX in os.fspath(path) and flags & os.O_CREAT:
+            raise OSError(errno.EROFS, "Read-only file system", path)
+        return real_open(path, flags, *args, **kwargs)
+
+    os.open = read_only_open
+    return "patched"
+
+
+def _load_read_only(rank, base, shared):
+    root = as_node(rank, 2, base, shared)
+    how = _read_only(root, own_namespace=not shared and root == os.path.join(base, "root"))  # as_node's
+    mgr = CheckpointManager(root)
+    state = mgr.load()
+    where = mgr.placement
+    try:
+        open(os.path.join(root, "x"), "w").close()
+        writable = True
+    except OSError:
+        writable = False
+    return {"how": how, "step": mgr.loaded_step, "w": state["w"].tolist(), "kind": where.kind, "writer": where.writer,
+            "writable": writable}  # fmt: skip
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_checkpoints_on_a_read_only_root_load_with_the_default_probe(tmp_path, shared):
+    """Fine-tuning from checkpoints on a read-only mount: the probe could not write its token, and every rank
+    failed with EROFS unless storage= was given. Where no node can write, the copies' listings decide."""
+    roots = [tmp_path / "root"] if shared else [node_disk(tmp_path, n) for n in (0, 1)]
+    for node, root in enumerate(roots):
+        CheckpointManager(root).save(4, {"w": torch.tensor([4.0, float(node)])})
+    values = run_ranks(_load_read_only, 4, args=(str(tmp_path), shared), timeout=120).values
+    assert [v["step"] for v in values] == [4] * 4
+    assert [v["w"] for v in values] == [[4.0, 0.0]] * 4 if shared else [[4.0, 0.0]] * 2 + [[4.0, 1.0]] * 2
+    assert [v["kind"] for v in values] == ["shared" if shared else "local"] * 4
+    assert [v["writer"] for v in values] == ([True, False, False, False] if shared else [True, False, True, False])
+    if values[0]["how"] == "mount":
+        assert not any(v["writable"] for v in values)  # the mount was read-only indeed

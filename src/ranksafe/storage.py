@@ -16,6 +16,7 @@ gets one writer, the local main of its lowest node.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 from dataclasses import dataclass
@@ -87,11 +88,12 @@ def probe(directory: str | os.PathLike, timeout: float | None = None) -> dict[in
     """For every node, the nodes whose token its ranks all see in ``directory``; collective, uncached.
 
     Two exchanges. Only local mains touch the file system to write (create the directory, write and
-    then remove their token); every rank lists the directory once.
+    then remove their token); every rank lists the directory once. Where no local main can write (a read-only
+    mount, to load from), the listings are compared instead (:func:`_compare_listings`).
     """
     directory = os.path.abspath(os.fspath(directory))
     node, me = topology.node_rank(), topology.rank()
-    token, path, failure = None, None, None
+    token, path, failure, read_only = None, None, None, False
     if topology.is_local_main():
         try:
             make_dirs(directory)
@@ -99,14 +101,18 @@ def probe(directory: str | os.PathLike, timeout: float | None = None) -> dict[in
             path = os.path.join(directory, f"{PROBE_PREFIX}{node}-{token}")
             os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
         except OSError as e:
-            failure, path = Failure.from_exception(me, e), None
+            failure, path, token = Failure.from_exception(me, e), None, None
+            read_only = e.errno in _READ_ONLY
     try:
         posted = exchange(
-            "storage probe: tokens", (node, token, failure), list, timeout, what=f"storage probe {directory}"
+            "storage probe: tokens", (node, token, failure, read_only), list, timeout, what=f"storage probe {directory}"
         )
-        _raise_failures(f"storage probe {directory}", [f for _, _, f in posted if f is not None])
-        tokens = {n: t for n, t, _ in posted if t is not None}
-        headless = sorted({n for n, _, _ in posted} - tokens.keys())
+        mains = [ro for _, t, f, ro in posted if t is not None or f is not None]
+        if mains and all(mains):  # no node can write here: tell the copies apart by what they hold
+            return _compare_listings(directory, timeout)
+        _raise_failures(f"storage probe {directory}", [f for _, _, f, _ in posted if f is not None])
+        tokens = {n: t for n, t, _, _ in posted if t is not None}
+        headless = sorted({n for n, _, _, _ in posted} - tokens.keys())
         if headless:
             raise ValueError(f"node(s) {headless} have no local rank 0 to write for them; check LOCAL_RANK")
         failure = None
@@ -126,6 +132,43 @@ def probe(directory: str | os.PathLike, timeout: float | None = None) -> dict[in
     groups: dict[int, frozenset[int]] = {}
     for n, vis, _ in seen:
         groups[n] = groups.get(n, vis) & vis
+    return groups
+
+
+_READ_ONLY = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})  # no token can be written here, by anyone
+
+
+def _listing(directory: str) -> tuple | None:
+    """What tells one copy of a directory from another without writing to it: its inode and every entry's name,
+    inode and size (on shared storage every node reads the server's numbers; on separate disks they differ)."""
+    try:
+        with os.scandir(directory) as entries:
+            held = sorted((e.name, e.inode(), e.stat(follow_symlinks=False).st_size) for e in entries)
+        return os.stat(directory).st_ino, tuple(held)
+    except FileNotFoundError:
+        return None
+
+
+def _compare_listings(directory: str, timeout: float | None) -> dict[int, frozenset[int]]:
+    """:func:`probe` where no node can write a token (a read-only mount of checkpoints to load): nodes whose
+    listings of ``directory`` are the same share a copy, as far as reading goes. One exchange."""
+    failure, mine = None, None
+    try:
+        mine = _listing(directory)
+    except OSError as e:
+        failure = Failure.from_exception(topology.rank(), e)
+    posted = exchange(
+        "storage probe: listings",
+        (topology.node_rank(), mine, failure),
+        list,
+        timeout,
+        what=f"storage probe {directory}",
+    )
+    _raise_failures(f"storage probe {directory}", [f for _, _, f in posted if f is not None])
+    groups: dict[int, frozenset[int]] = {}
+    for n, listing, _ in posted:
+        same = frozenset(m for m, other, _ in posted if other == listing)
+        groups[n] = groups.get(n, same) & same
     return groups
 
 
