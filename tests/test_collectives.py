@@ -271,3 +271,38 @@ def test_an_abort_withdrawn_while_a_rank_gives_up_does_not_fail_a_complete_excha
     print(values)
     # before: rank 1 decided an abort naming no rank, and both ranks raised a RankFailure without failures
     assert values[0] == values[1] == ["ok", "ok"]
+
+
+def _fails_catches_and_goes_on(rank, path):
+    """Rank 1 fails alone, catches its error and goes on to an emergency save; rank 0 waits for the next epoch."""
+    out = []
+    ranksafe.barrier("warm")
+    start = time.monotonic()
+    try:
+        with ranksafe.abort_on_error():
+            if rank == 1:
+                raise OSError(28, "No space left on device (injected on rank 1)")
+            ranksafe.barrier("next epoch")
+    except (ranksafe.RankFailure, OSError) as e:
+        out.append((type(e).__name__, str(e)[:300], round(time.monotonic() - start, 1)))
+    start = time.monotonic()
+    try:
+        ranksafe.save({"w": 1}, path)  # the emergency save both ranks make on the way out
+        out.append("saved")
+    except ranksafe.RankFailure as e:
+        out.append((type(e).__name__, str(e)[:300], round(time.monotonic() - start, 1)))
+    return out
+
+
+def test_a_rank_that_fails_alone_and_goes_on_is_reported_and_later_collectives_do_not_hang(tmp_path):
+    """Before: rank 1's save met rank 0's barrier: CollectiveMismatch on both, the abort withdrawn (every rank had
+    posted), and rank 0's own save then waited for rank 1, a step ahead, for the whole timeout."""
+    r0, r1 = run_ranks(
+        _fails_catches_and_goes_on, 2, args=(str(tmp_path / "m.pth"),), env={"RANKSAFE_TIMEOUT": "20"}, timeout=90
+    ).values
+    print(r0, r1, sep="\n")
+    assert r1[0][0] == "OSError"  # the failing rank keeps its own error
+    for kind, msg, _ in (r0[0], r1[1]):  # rank 0's barrier and rank 1's save: the cause, not a mismatch
+        assert kind == "RankFailure[OSError]" and "rank 1" in msg and "No space left" in msg
+    kind, msg, seconds = r0[1]  # rank 0's save: rank 1 is gone from it, after the grace, not the timeout
+    assert kind.startswith("RankFailure") and "rank 1" in msg and seconds < 10

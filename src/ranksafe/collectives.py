@@ -215,8 +215,9 @@ def _aborted(s: _Session) -> list[Failure]:
 
 
 def _clear_stale_aborts(s: _Session, seq: int) -> None:
-    """On main, once every rank has posted to exchange ``seq``: a rank that aborted before it has come back
-    (it caught its error and goes on), so its abort no longer stands for a rank that is gone."""
+    """On main, once every rank has posted to exchange ``seq``, the same collective: a rank that aborted before it
+    has come back in step (it caught its error and goes on), so its abort no longer stands for a rank that is
+    gone."""
     if s.store.add(s.aborts_key, 0) <= 0:
         return
     for r in range(s.world):
@@ -269,11 +270,15 @@ def _collect(s: _Session, seq: int, name: str, rank_keys: list[str], result_key:
         return "timeout", _missing(s, rank_keys)
     if state == "aborted":
         return "abort", _aborted(s)
-    _clear_stale_aborts(s, seq)
     posted = [pickle.loads(b) for b in s.store.multi_get(rank_keys)]
     names = {n for n, _ in posted}
     if len(names) > 1:
-        return "mismatch", {r: n for r, (n, _) in enumerate(posted)}
+        # A rank that failed alone, caught its error and went on posts its next collective where the others still
+        # wait in theirs: its failure is the cause, the mismatch only its symptom. Its abort stands: the ranks are
+        # out of step, and a later exchange missing it gives up after the grace instead of the timeout.
+        aborted = _aborted(s)
+        return ("abort", aborted) if aborted else ("mismatch", {r: n for r, (n, _) in enumerate(posted)})
+    _clear_stale_aborts(s, seq)
     try:
         return "ok", reduce([v for _, v in posted])
     except Exception as e:  # a reduction that cannot combine the values (e.g. max of mixed types)
