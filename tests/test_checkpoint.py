@@ -9,14 +9,19 @@ import builtins
 import io
 import os
 import pathlib
+import shutil
 import signal
+import subprocess
+import sys
+import textwrap
+import time
 import warnings
 
 import pytest
 import torch
 
 import ranksafe
-from ranksafe import collectives
+from ranksafe import checkpoint, cli, collectives
 from ranksafe.checkpoint import AtomicDir, CheckpointManager, list_steps, verify_step
 from tests.ranks import run_ranks
 from tests.test_storage import as_node, node_disk
@@ -278,3 +283,151 @@ def test_saving_a_step_again_replaces_it_and_a_failed_block_commits_nothing(tmp_
         tx.save(b"partial", "notes.txt")
         raise ZeroDivisionError("the block failed")
     assert sorted(os.listdir(tmp_path)) == ["step_00000001"]
+
+
+# -- damaged manifests, listing errors, full disks, crashes between renames ---------------------------
+
+
+def _damaged_manifest(rank, root):
+    mgr = CheckpointManager(root)
+    mgr.save(1, _state(1))
+    mgr.save(2, _state(2))
+    if rank == 0:  # one flipped bit that keeps the manifest valid JSON: "size" becomes "sizm"
+        path = os.path.join(mgr.step_dir(2), "MANIFEST.json")
+        data = pathlib.Path(path).read_bytes()
+        pathlib.Path(path).write_bytes(data.replace(b'"size"', b'"sizm"', 1))
+    ranksafe.barrier("manifest damaged")
+    start = time.monotonic()
+    try:
+        mgr.load()
+        error = None
+    except ranksafe.CorruptCheckpoint as e:
+        error = str(e)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        w = mgr.load(fallback=True)["w"][0].item()
+    return {"error": error, "w": w, "step": mgr.loaded_step, "seconds": time.monotonic() - start}
+
+
+def test_a_manifest_damaged_into_other_valid_json_is_corrupt_on_every_rank_and_falls_back(tmp_path, capsys):
+    """Before: the writer raised KeyError alone and the other rank waited out the timeout, then fell back."""
+    root = str(tmp_path / "ckpt")
+    values = run_ranks(_damaged_manifest, 2, args=(root,), env={"RANKSAFE_TIMEOUT": "20"}, timeout=120).values
+    for v in values:
+        assert v["error"] is not None and "step_00000002/MANIFEST.json" in v["error"] and "damaged" in v["error"]
+        assert (v["w"], v["step"]) == (1.0, 1) and v["seconds"] < 10
+    step2 = os.path.join(root, "step_00000002")
+    assert cli.main(["verify", step2]) == 1 and cli.main(["ls", root]) == 1
+    err = capsys.readouterr().err
+    assert "BAD" in err and "damaged manifest entry" in err and "Traceback" not in err
+
+
+def _latest_of_a_file(rank, root):
+    start = time.monotonic()
+    try:
+        CheckpointManager(root, storage="shared").latest()
+    except ranksafe.RankFailure as e:
+        return {"types": [t.__name__ for t in type(e).__mro__], "msg": str(e), "seconds": time.monotonic() - start}
+    return "listed"
+
+
+def test_a_root_the_writer_cannot_list_fails_every_rank_at_once(tmp_path):
+    """Before: rank 0 raised NotADirectoryError alone, rank 1 waited for the timeout (BarrierTimeout)."""
+    root = tmp_path / "ckpt"
+    root.write_text("a file where the checkpoint root should be")
+    values = run_ranks(_latest_of_a_file, 2, args=(str(root),), env={"RANKSAFE_TIMEOUT": "20"}, timeout=120).values
+    for v in values:
+        assert "NotADirectoryError" in v["types"] and str(root) in v["msg"] and "rank 0" in v["msg"], v
+        assert v["seconds"] < 10
+
+
+_FULL_DISK_CHILD = textwrap.dedent(
+    """
+    import errno, resource, sys, torch, ranksafe
+    root, async_save = sys.argv[1], sys.argv[2] == "async"
+    mgr = ranksafe.CheckpointManager(root, async_save=async_save)
+    mgr.save(1, {"w": torch.zeros(16)})
+    mgr.wait()
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))  # EFBIG, even for root
+    try:
+        mgr.save(2, {"w": torch.zeros(1 << 20)})
+        mgr.wait()
+        mgr.check()
+    except OSError as e:
+        print("ERR", e.errno, e)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    print("LATEST", mgr.latest(), float(mgr.load()["w"][0]))
+    """
+)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_full_disk_under_a_step_raises_its_oserror_naming_the_file_and_the_rank(tmp_path, mode):
+    """Before: torch's zip writer's RuntimeError ("unexpected pos ..."), no errno, no path, no rank."""
+    root = tmp_path / "ckpt"
+    out = subprocess.run(
+        [sys.executable, "-c", _FULL_DISK_CHILD, str(root), mode], capture_output=True, text=True, timeout=120
+    )
+    assert "ERR 27 " in out.stdout, out.stdout + out.stderr
+    assert f"{root / 'step_00000002' / 'state.pt'} (rank 0)" in out.stdout, out.stdout
+    assert "LATEST 1 0.0" in out.stdout  # the committed step is intact and still the latest
+    assert sorted(os.listdir(root)) == ["step_00000001"]
+
+
+_CRASH_BETWEEN_RENAMES_CHILD = textwrap.dedent(
+    """
+    import os, sys, torch, ranksafe
+    from ranksafe import checkpoint
+    mgr = ranksafe.CheckpointManager(sys.argv[1])
+    mgr.save(2, {"w": torch.full((4,), 2.0)})
+    rename = os.rename
+
+    def crash_on_the_second(src, dst):  # the committed step is aside, the new one not yet in place
+        if src.endswith(checkpoint.AtomicDir.PARTIAL):
+            os._exit(9)
+        rename(src, dst)
+
+    checkpoint.os.rename = crash_on_the_second
+    mgr.save(2, {"w": torch.full((4,), 3.0)})  # saved again: replaces the committed step 2
+    """
+)
+
+
+def test_a_crash_between_the_renames_that_replace_a_step_keeps_the_committed_one(tmp_path):
+    """Before: the step saved again was lost both ways (the old copy aside, the new one partial, both removed)."""
+    root = tmp_path / "ckpt"
+    done = subprocess.run([sys.executable, "-c", _CRASH_BETWEEN_RENAMES_CHILD, str(root)], timeout=120)
+    assert done.returncode == 9
+    assert sorted(os.listdir(root)) == [".step_00000002.ranksafe-old", ".step_00000002.ranksafe-partial"]
+    mgr = CheckpointManager(root)
+    assert mgr.latest() == 2 and mgr.load()["w"][0].item() == 2.0
+    mgr.save(3, _state(3))
+    assert sorted(os.listdir(root)) == ["step_00000002", "step_00000003"]
+
+
+def test_another_managers_steps_under_a_longer_prefix_are_not_its_debris(tmp_path):
+    """Before: ``step_`` took ``.step_best_00000005.ranksafe-partial`` (a save in flight) for its own debris."""
+    every, best = CheckpointManager(tmp_path, prefix="step_"), CheckpointManager(tmp_path, prefix="step_best_")
+    in_flight = AtomicDir(best.step_dir(5))
+    in_flight.create()
+    every.save(1, _state(1))
+    assert os.path.isdir(in_flight.tmp)
+    AtomicDir(every.step_dir(2)).create()  # its own debris still goes
+    every.save(3, _state(3))
+    assert sorted(os.listdir(tmp_path)) == [".step_best_00000005.ranksafe-partial", "step_00000001", "step_00000003"]
+
+
+def test_a_step_removed_while_it_is_listed_is_left_out(tmp_path, monkeypatch):
+    """Retention or a commit may remove a step between the listing and the look at it; ``ls`` raised."""
+    mgr = CheckpointManager(tmp_path, keep=None)
+    for step in (1, 2, 3):
+        mgr.save(step, _state(step))
+    look = checkpoint._step_info
+
+    def removed_first(path, *args):
+        if path.endswith("step_00000002"):
+            shutil.rmtree(path)  # as retention would, between the listing and this look
+        return look(path, *args)
+
+    monkeypatch.setattr(checkpoint, "_step_info", removed_first)
+    assert [s.step for s in list_steps(tmp_path, deep=True)] == [1, 3]

@@ -63,9 +63,11 @@ def test_verify_files_and_step_directories(tmp_path, capsys):
     code, out = _cli(capsys, "verify", step2)
     assert code == 1 and state in out and "checksum" in out
 
-    code, out = _cli(capsys, "ls", str(tmp_path / "run"), "--deep")
+    code, out = _cli(capsys, "ls", str(tmp_path / "run"))  # sizes only: the flipped byte is not seen
+    assert code == 0 and "corrupt" not in out, out
+    code, out = _cli(capsys, "ls", str(tmp_path / "run"), "--deep")  # a corrupt step fails a script that checks
     lines = out.splitlines()
-    assert code == 0 and "committed" in lines[1] and "corrupt" in lines[2] and "checksum" in lines[3], out
+    assert code == 1 and "committed" in lines[1] and "corrupt" in lines[2] and "checksum" in lines[3], out
 
 
 def test_doctor_under_torchrun(tmp_path):

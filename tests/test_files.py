@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import io
 import os
 import re
+import socket
 import subprocess
 import sys
 import textwrap
 import time
+import zipfile
 
 import pytest
 import torch
 
 import ranksafe
-from ranksafe.files import TMP_SUFFIX, _host_tag, clean_orphans
+from ranksafe.files import TMP_SUFFIX, ChecksummingWriter, _host_tag, clean_orphans
 
 
 def _state(scale: float = 1.0) -> dict:
@@ -153,6 +156,41 @@ def test_orphans_of_dead_writers_are_cleaned_live_ones_kept(tmp_path):
     dead_tmp.write_bytes(b"x" * 100)
     ranksafe.atomic_save(_state(), tmp_path / "other.pth")
     assert live_tmp.exists() and not dead_tmp.exists()
+
+
+def test_writers_in_two_pid_namespaces_of_one_host_name_tell_their_temporaries_apart(tmp_path):
+    """Two containers with one host name (host networking) share a volume: a pid alive in one is dead in the other,
+    so the host tag must tell them apart, or each removes the other's live temporaries as a crashed writer's."""
+    tag = "from ranksafe.files import _host_tag; print(_host_tag())"
+    other = subprocess.run(
+        ["unshare", "--pid", "--fork", sys.executable, "-c", tag], capture_output=True, text=True, timeout=60
+    )
+    if other.returncode != 0:
+        pytest.skip(f"no PID namespace here: {other.stderr.strip()}")
+    theirs = other.stdout.strip()
+    assert theirs.startswith(socket.gethostname().replace(".", "_")) and theirs != _host_tag()
+    their_tmp = tmp_path / f".m.pth.{theirs}.1.abcd{TMP_SUFFIX}"  # pid 1 of their namespace: their writer
+    their_tmp.write_bytes(b"theirs, being written")
+    ranksafe.atomic_save(_state(), tmp_path / "m.pth")
+    assert their_tmp.exists()
+
+
+def test_verify_finds_the_end_of_a_zip_with_a_comment_and_refuses_a_footer_alone(tmp_path):
+    stock = tmp_path / "commented.pth"
+    torch.save(_state(), stock)
+    with zipfile.ZipFile(stock, "a") as z:  # a tool that tags archives: stock torch.load still reads it
+        z.comment = b"tagged by the archive tool"
+    assert torch.load(stock, weights_only=True).keys() == _state().keys()
+    assert ranksafe.verify_file(stock) is False  # no footer, and a complete zip: before, "truncated"
+    assert ranksafe.load_file(stock).keys() == _state().keys()
+    cut = tmp_path / "cut.pth"
+    cut.write_bytes(stock.read_bytes()[:-5])  # into the comment: the end record announces more than there is
+    with pytest.raises(ranksafe.CorruptCheckpoint, match="truncated"):
+        ranksafe.verify_file(cut)
+    alone = tmp_path / "footer.pth"
+    alone.write_bytes(ChecksummingWriter(io.BytesIO()).footer())  # a footer over nothing: before, "OK"
+    with pytest.raises(ranksafe.CorruptCheckpoint, match="no torch checkpoint"):
+        ranksafe.verify_file(alone)
 
 
 _FSIZE_CHILD = textwrap.dedent(

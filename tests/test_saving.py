@@ -152,7 +152,7 @@ def _failing_save(rank, path, blocker):
     except ranksafe.RankFailure as e:
         outcome = {
             "types": [t.__name__ for t in type(e).__mro__], "msg": str(e), "seconds": time.monotonic() - start,
-            "errno": e.errno,
+            "errno": e.errno, "path": e.path,
         }  # fmt: skip
     else:
         outcome = "saved"
@@ -167,6 +167,7 @@ def test_failed_write_raises_on_every_rank_and_keeps_the_committed_file(tmp_path
         assert "rank 0" in outcome["msg"] and "file/m.pth" in outcome["msg"]
         assert f"{tmp_path / 'file'} is a file, not a directory" in outcome["msg"]
         assert outcome["errno"] == errno.ENOTDIR  # the code travels too: `e.errno == ...` works on every rank
+        assert outcome["path"] == str(tmp_path / "file" / "m.pth")  # and the file it is about
         assert outcome["seconds"] < 5
         assert committed == 1.0
 

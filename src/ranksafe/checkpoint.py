@@ -36,13 +36,12 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import torch
-
 from . import topology
 from .async_save import AsyncSaver
 from .collectives import exchange, share_outcome, together
-from .errors import CorruptCheckpoint, Failure, RankFailure, rank_failure
-from .files import TMP_SUFFIX, ChecksummingWriter, atomic_write, fsync_dir, load_file, make_dirs
+from .errors import BarrierTimeout, CollectiveMismatch, CorruptCheckpoint, Failure, rank_failure
+from .files import TMP_SUFFIX, ChecksummingWriter, atomic_write, fsync_dir, load_file, make_dirs, save_with_footer
+from .saving import error_naming_target
 from .snapshot import StateDictLock
 from .storage import Placement, Storage, placement
 
@@ -81,8 +80,8 @@ class AtomicDir:
       and removed after) and fsyncs the parent;
     * ``abort()`` on the writer only: removes the temporary.
 
-    A crash at any point leaves either the old committed directory or none, plus hidden debris that
-    :meth:`is_temporary` recognises and the next save removes.
+    A crash at any point leaves either the old committed directory (moved aside, if the crash came between the
+    two renames: :meth:`recover` puts it back) or none, plus hidden debris that the next save removes.
     """
 
     PARTIAL, OLD = ".ranksafe-partial", ".ranksafe-old"
@@ -92,10 +91,6 @@ class AtomicDir:
         self.parent, self.name = os.path.split(self.final)
         self.tmp = os.path.join(self.parent, f".{self.name}{self.PARTIAL}")
         self._old = os.path.join(self.parent, f".{self.name}{self.OLD}")
-
-    @classmethod
-    def is_temporary(cls, name: str) -> bool:
-        return name.startswith(".") and name.endswith((cls.PARTIAL, cls.OLD))
 
     def create(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -117,6 +112,15 @@ class AtomicDir:
 
     def abort(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def recover(self) -> bool:
+        """Put the committed directory back where a crash left it aside: between the two renames of
+        :meth:`finalize` replacing it, only the old copy (moved aside) and the new one (still temporary) exist.
+        True if it did; the new copy stays debris, as it would be had the crash come before the renames."""
+        if os.path.isdir(self._old) and not os.path.exists(self.final):
+            os.rename(self._old, self.final)
+            return True
+        return False
 
 
 def _crc_file(path: str) -> Entry:
@@ -163,7 +167,23 @@ def read_manifest(step_dir: str | os.PathLike) -> dict[str, Any]:
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not (isinstance(files, dict) and manifest.get("format") == FORMAT):
         raise CorruptCheckpoint(path, f"not a {FORMAT} manifest")
+    for rel, meta in files.items():  # valid JSON is not a sound manifest: a flipped bit can rename a key
+        if not (_inside(rel) and isinstance(meta, dict) and _is_size(meta.get("size")) and _is_crc(meta.get("crc32"))):
+            raise CorruptCheckpoint(path, f"damaged manifest entry {rel!r}: {meta!r}"[:300])
     return manifest
+
+
+def _inside(rel: str) -> bool:
+    """Whether a manifest's file name is a relative path that stays inside the step directory."""
+    return all(part not in ("", ".", "..") for part in rel.split("/"))
+
+
+def _is_size(size: Any) -> bool:
+    return type(size) is int and size >= 0
+
+
+def _is_crc(crc: Any) -> bool:
+    return isinstance(crc, str) and re.fullmatch("[0-9a-f]{8}", crc) is not None
 
 
 def verify_step(step_dir: str | os.PathLike, deep: bool = True) -> dict[str, Any]:
@@ -206,7 +226,10 @@ def _step_pattern(prefix: str) -> re.Pattern[str]:
 
 
 def list_steps(root: str | os.PathLike, prefix: str = "step_", deep: bool = False) -> list[StepInfo]:
-    """Every step directory under ``root``, oldest first, as committed, incomplete or corrupt. Local."""
+    """Every step directory under ``root``, oldest first, as committed, incomplete or corrupt. Local.
+
+    A step that disappears while it is being looked at (retention, a commit renaming it) is left out.
+    """
     root = os.fspath(root)
     pattern = _step_pattern(prefix)
     out = []
@@ -214,19 +237,24 @@ def list_steps(root: str | os.PathLike, prefix: str = "step_", deep: bool = Fals
         m = pattern.match(name)
         if not m or bool(m.group(1)) != bool(m.group(3)):
             continue
-        path = os.path.join(root, name)
-        size = sum(os.stat(os.path.join(path, *rel.split("/"))).st_size for rel in _walk(path))
-        status: Status = "committed"
-        error, when = None, os.stat(path).st_mtime
-        if m.group(3) or not os.path.isfile(os.path.join(path, MANIFEST)):
-            status = "incomplete"  # a save in progress, a crashed one, or a directory that never committed
-        else:
-            try:
-                when = verify_step(path, deep=deep)["time"]
-            except CorruptCheckpoint as e:
-                status, error = "corrupt", str(e)
-        out.append(StepInfo(int(m.group(2)), path, status, size, when, error))
+        with contextlib.suppress(FileNotFoundError):
+            out.append(_step_info(os.path.join(root, name), int(m.group(2)), bool(m.group(3)), deep))
     return sorted(out, key=lambda s: (s.step, s.status != "committed"))
+
+
+def _step_info(path: str, step: int, partial: bool, deep: bool) -> StepInfo:
+    size = sum(os.stat(os.path.join(path, *rel.split("/"))).st_size for rel in _walk(path))
+    status: Status = "committed"
+    error, when = None, os.stat(path).st_mtime
+    if partial or not os.path.isfile(os.path.join(path, MANIFEST)):
+        status = "incomplete"  # a save in progress, a crashed one, or a directory that never committed
+    else:
+        try:
+            written = verify_step(path, deep=deep).get("time")
+            when = written if isinstance(written, (int, float)) else when
+        except CorruptCheckpoint as e:
+            status, error = "corrupt", str(e)
+    return StepInfo(step, path, status, size, when, error)
 
 
 class StepWriter:
@@ -237,27 +265,30 @@ class StepWriter:
     writer at commit. Names are plain file names inside the step directory.
     """
 
-    def __init__(self, path: str, step: int):
-        self.path = path
+    def __init__(self, commit: AtomicDir, step: int):
+        self.path = commit.tmp
         self.step = step
         self.entries: dict[str, Entry] = {}
+        self._final = commit.final
 
     def file(self, name: str) -> str:
         """The path of ``name`` inside the temporary step directory."""
         return os.path.join(self.path, check_name(name, "file name"))
 
     def save(self, obj: Any, name: str) -> str:
-        """Write ``obj`` as ``name``: bytes and str as they are, anything else with ``torch.save``."""
+        """Write ``obj`` as ``name``: bytes and str as they are, anything else with ``torch.save``. A failed write
+        raises its ``OSError`` naming the file as it will be once committed, and the rank."""
         path = self.file(name)
         raw = obj.encode() if isinstance(obj, str) else obj
-        with atomic_write(path) as f:
-            whole = ChecksummingWriter(f)
-            if isinstance(raw, (bytes, bytearray, memoryview)):
-                whole.write(raw)
-            else:  # torch.save + ranksafe footer, as files.atomic_save writes it
-                payload = ChecksummingWriter(whole)
-                torch.save(obj, payload)
-                whole.write(payload.footer())
+        try:
+            with atomic_write(path) as f:
+                whole = ChecksummingWriter(f)
+                if isinstance(raw, (bytes, bytearray, memoryview)):
+                    whole.write(raw)
+                else:  # torch.save + ranksafe footer, as files.atomic_save writes it
+                    save_with_footer(obj, whole)
+        except OSError as e:
+            raise error_naming_target(e, f"cannot save step {self.step}:", os.path.join(self._final, name)) from e
         self.entries[name] = (whole.length, whole.crc)
         return path
 
@@ -302,6 +333,9 @@ class CheckpointManager:
         self.loaded_step: int | None = None  # the step the last load() returned (after any fallback)
         self._loading: set[int] = set()
         self._pattern = re.compile(rf"^{re.escape(prefix)}(\d+)$")
+        # the debris of this manager's steps only: another manager's prefix may extend this one (step_, step_best_)
+        ends = "|".join(map(re.escape, (AtomicDir.PARTIAL, AtomicDir.OLD)))
+        self._debris = re.compile(rf"^\.({re.escape(prefix)}\d+)(?:{ends})$")
         # writer="all": this manager, not the saver, decides who writes (the storage placement)
         self._saver = AsyncSaver(lock, writer="all", name="checkpoint") if async_save else None
 
@@ -353,7 +387,7 @@ class CheckpointManager:
             if where.writer:
                 self._clean_debris()
                 commit.create()
-        tx = StepWriter(commit.tmp, step)
+        tx = StepWriter(commit, step)
         exc: BaseException | None = None
         try:
             yield tx
@@ -390,7 +424,10 @@ class CheckpointManager:
         try:
             for name, obj in writer_files.items():
                 tx.save(obj, name)
-            commit.finalize(build_manifest(commit.tmp, tx.step, tx.entries))
+            try:
+                commit.finalize(build_manifest(commit.tmp, tx.step, tx.entries))
+            except OSError as e:
+                raise error_naming_target(e, f"cannot commit step {tx.step}:", commit.final) from e
         except BaseException:
             commit.abort()
             raise
@@ -414,18 +451,27 @@ class CheckpointManager:
         return self.step_dir(step)
 
     def _committed(self) -> list[int]:
-        """Steps committed in this rank's copy of ``root``, oldest first (file-system calls: writers only)."""
+        """Steps committed in this rank's copy of ``root``, oldest first (file-system calls: writers only), with
+        any committed step a crash left aside put back first (:meth:`AtomicDir.recover`)."""
         try:
             names = os.listdir(self.root)
         except FileNotFoundError:
             return []
+        recovered = False
+        for m in filter(None, map(self._debris.match, names)):
+            recovered |= AtomicDir(os.path.join(self.root, m.group(1))).recover()
+        if recovered:
+            names = os.listdir(self.root)
         steps = (int(m.group(1)) for m in map(self._pattern.match, names) if m)
         return sorted(s for s in steps if os.path.isfile(os.path.join(self.step_dir(s), MANIFEST)))
 
     def _clean_debris(self) -> None:
+        """Remove what crashed saves and deletions of this manager's steps left, once any committed step among
+        it is put back."""
+        self._committed()
         with contextlib.suppress(FileNotFoundError):
             for name in os.listdir(self.root):
-                if AtomicDir.is_temporary(name) and name[1:].startswith(self.prefix):
+                if self._debris.match(name):
                     shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
 
     def _retain(self, newest: int) -> None:
@@ -442,11 +488,23 @@ class CheckpointManager:
     # -- loading --------------------------------------------------------------------------------------
 
     def _common(self) -> list[int]:
-        """Steps committed on every writer's copy, newest first; one exchange, agreed."""
+        """Steps committed on every writer's copy, newest first; one exchange, agreed. A writer that cannot list
+        its copy (a file in the way, an I/O error) fails every rank, in the same exchange."""
+        mine, error = None, None
         if self.placement.writer:
             self.wait()  # the step in flight, and the retention after it, are done before listing
-        mine = self._committed() if self.placement.writer else None
-        return exchange("checkpoint: steps", mine, _newest_common, self.timeout, what=f"checkpoint {self.root}: steps")
+            try:
+                mine = self._committed()
+            except OSError as e:
+                error = error_naming_target(e, "cannot list the checkpoints in", self.root)
+        what = f"checkpoint {self.root}: steps"
+        failure = None if error is None else Failure.from_exception(topology.rank(), error)
+        common, failures = exchange("checkpoint: steps", (mine, failure), _newest_common, self.timeout, what=what)
+        if failures:
+            if error is not None and topology.world_size() == 1:
+                raise error
+            raise rank_failure(what, failures) from error
+        return common
 
     def latest(self) -> int | None:
         """The newest step committed on every node, the same on every rank; ``None`` when there is none."""
@@ -539,15 +597,19 @@ class CheckpointManager:
         if self.placement.writer:
             try:
                 verify_step(self.step_dir(step))
-            except (CorruptCheckpoint, OSError) as e:
+            except Exception as e:  # whatever the writer met, every rank must hear of it in the exchange below
                 exc = e
         try:
             share_outcome(f"checkpoint {step}: verify", exc, self.timeout, what=f"verify step {step}")
-        except (RankFailure, CorruptCheckpoint, OSError) as e:  # the original error in a single process
+        except (BarrierTimeout, CollectiveMismatch):  # a rank missing says nothing about the step: no fallback
+            raise
+        except Exception as e:  # RankFailure; in a single process, the writer's own error
             return e
         return None
 
 
-def _newest_common(listings: list[list[int] | None]) -> list[int]:
-    sets = [set(steps) for steps in listings if steps is not None]
-    return sorted(set.intersection(*sets), reverse=True) if sets else []
+def _newest_common(posts: list[tuple[list[int] | None, Failure | None]]) -> tuple[list[int], list[Failure]]:
+    """The steps every writer listed, newest first, and the writers' failures to list."""
+    sets = [set(steps) for steps, _ in posts if steps is not None]
+    common = sorted(set.intersection(*sets), reverse=True) if sets else []
+    return common, [f for _, f in posts if f is not None]

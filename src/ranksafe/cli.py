@@ -52,11 +52,15 @@ def verify(path: str) -> int:
 
 
 def ls(root: str, deep: bool) -> int:
-    """List the step directories under ``root`` with their status, size and time."""
+    """List the step directories under ``root`` with their status, size and time; exit 1 if one is corrupt."""
     if not os.path.isdir(root):
         print(f"BAD {root}: not a directory", file=sys.stderr)
         return 1
-    steps = list_steps(root, deep=deep)
+    try:
+        steps = list_steps(root, deep=deep)
+    except OSError as e:
+        print(f"BAD {root}: {e}", file=sys.stderr)
+        return 1
     print(f"{'step':>10}  {'status':<10}  {'size':>10}  {'time':<19}  path")
     for s in steps:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(s.time))
@@ -65,7 +69,7 @@ def ls(root: str, deep: bool) -> int:
             print(f"{'':>10}  {s.error}")
     if not steps:
         print(f"(no step directories under {root})")
-    return 0
+    return 1 if any(s.status == "corrupt" for s in steps) else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--rounds", type=int, default=10, help="save rounds per process (default 10)")
     p = sub.add_parser("verify", help="check a checkpoint file or step directory; exit 1 on any problem")
     p.add_argument("path")
-    p = sub.add_parser("ls", help="list step directories with status (committed, incomplete, corrupt)")
+    p = sub.add_parser("ls", help="list step directories: committed, incomplete, corrupt (exit 1 if one is corrupt)")
     p.add_argument("root")
     p.add_argument("--deep", action="store_true", help="also verify every checksum")
     p = sub.add_parser("doctor", help="storage topology, collective latency, write bandwidth (under torchrun)")

@@ -41,11 +41,20 @@ _ORPHAN_AGE = 24 * 3600  # temporaries of another host are removed once this old
 _FOOTER = struct.Struct("<8sQI4s")  # magic, payload length, crc32, version
 _MAGIC, _VERSION = b"RANKSAFE", b"v1\0\0"
 _CHUNK = 8 << 20
-_ZIP_START, _EOCD, _EOCD_SIZE = b"PK\x03\x04", b"PK\x05\x06", 22  # torch writes no zip comment
+_ZIP_START, _EOCD, _EOCD_SIZE = b"PK\x03\x04", b"PK\x05\x06", 22
+_MAX_COMMENT = 0xFFFF  # a zip's end record may be followed by a comment this long (torch writes none)
+# torch's legacy (pre-zip) format opens with a pickled magic number: protocol 2, then a LONG1 of 10 bytes
+_LEGACY_START = b"\x80\x02\x8a\x0a"
 
 
 def _host_tag() -> str:
-    return socket.gethostname().replace(".", "_")
+    """Who writes a temporary, as its name says: the host name and, where there is one, the PID namespace. Two
+    containers can share a host name (host networking) and a volume, and a pid is only alive or dead in its own
+    namespace: without it, one container took the other's live temporaries for a crashed writer's."""
+    tag = socket.gethostname().replace(".", "_")
+    with contextlib.suppress(OSError):
+        tag += f"-pidns{os.stat('/proc/self/ns/pid').st_ino}"
+    return tag
 
 
 def _umask() -> int:
@@ -371,22 +380,29 @@ def _crc_helper() -> Iterator[ThreadPoolExecutor | None]:
         helper.shutdown(wait=True)
 
 
-def atomic_save(obj: Any, path: str | os.PathLike, **torch_save_kwargs: Any) -> str:
-    """``torch.save`` ``obj`` to ``path`` atomically, with an integrity footer. Local, no collectives.
+def save_with_footer(obj: Any, f: IO[bytes] | ChecksummingWriter, **torch_save_kwargs: Any) -> None:
+    """``torch.save`` ``obj`` into the open file ``f``, then the integrity footer. Local, no collectives.
 
-    torch's own zip CRCs are skipped (the footer covers the same bytes, see :func:`_torch_zip_crc_off`).
+    torch's own zip CRCs are skipped (the footer covers the same bytes, see :func:`_torch_zip_crc_off`). A write
+    that fails (disk full, file too large) raises its ``OSError``, not the ``RuntimeError`` torch's zip writer
+    turns it into when it closes the archive: callers, and :class:`~ranksafe.RankFailure`, see the errno.
     """
-    with atomic_write(path) as f, _crc_helper() as helper, _torch_zip_crc_off() as restore:
+    with _crc_helper() as helper, _torch_zip_crc_off() as restore:
         w = ChecksummingWriter(f, on_first_write=restore, helper=helper)
         try:
             torch.save(obj, w, **torch_save_kwargs)
         except Exception as e:
-            # torch's zip writer turns a failed write (disk full, file too large) into a RuntimeError of its
-            # own when it closes the archive; callers (and RankFailure) should see the OSError that happened
             if w.error is not None and e is not w.error:
                 raise w.error from None
             raise
         f.write(w.footer())
+
+
+def atomic_save(obj: Any, path: str | os.PathLike, **torch_save_kwargs: Any) -> str:
+    """``torch.save`` ``obj`` to ``path`` atomically, with an integrity footer (:func:`save_with_footer`). Local,
+    no collectives."""
+    with atomic_write(path) as f:
+        save_with_footer(obj, f, **torch_save_kwargs)
     return os.fspath(path)
 
 
@@ -403,18 +419,20 @@ def verify_file(path: str | os.PathLike) -> bool:
         size = os.fstat(f.fileno()).st_size
         if size == 0:
             raise CorruptCheckpoint(path, "the file is empty")
-        is_zip = f.read(4) == _ZIP_START
+        first = f.read(4)
         f.seek(max(0, size - _FOOTER.size))
         tail = f.read(_FOOTER.size)
         if len(tail) < _FOOTER.size or tail[:8] != _MAGIC or tail[-4:] != _VERSION:
             # No footer. A zip (torch's format) must then end with its end-of-central-directory record;
             # anything else is a ranksafe file whose footer was cut, or a zip cut short.
-            if is_zip and tail[-_EOCD_SIZE:][:4] != _EOCD:
+            if first == _ZIP_START and not _ends_a_zip(f, size):
                 raise CorruptCheckpoint(path, "the file is truncated (no end of archive, no ranksafe footer)")
             return False
         _, length, crc, _ = _FOOTER.unpack(tail)
         if length != size - _FOOTER.size:
             raise CorruptCheckpoint(path, f"size is {size - _FOOTER.size} bytes, the footer says {length}")
+        if first not in (_ZIP_START, _LEGACY_START):  # a footer alone, or one under something else
+            raise CorruptCheckpoint(path, "a ranksafe footer, but no torch checkpoint before it")
         f.seek(0)
         actual, left = 0, length
         while left:
@@ -426,6 +444,20 @@ def verify_file(path: str | os.PathLike) -> bool:
     if actual != crc:
         raise CorruptCheckpoint(path, f"checksum mismatch (crc32 {actual:08x}, footer says {crc:08x})")
     return True
+
+
+def _ends_a_zip(f: IO[bytes], size: int) -> bool:
+    """Whether the file ends with a zip's end-of-central-directory record and the comment that record announces
+    (at most :data:`_MAX_COMMENT` bytes: a stock file with a comment still loads)."""
+    start = max(0, size - _EOCD_SIZE - _MAX_COMMENT)
+    f.seek(start)
+    tail = f.read()
+    at = tail.rfind(_EOCD)
+    while at >= 0:
+        if at + _EOCD_SIZE <= len(tail) and at + _EOCD_SIZE + struct.unpack_from("<H", tail, at + 20)[0] == len(tail):
+            return True
+        at = tail.rfind(_EOCD, 0, at)
+    return False
 
 
 def load_file(
@@ -475,10 +507,6 @@ def _load_error(path: str, e: Exception, weights_only: bool | None) -> Exception
         return e  # e.g. a class the pickle names is missing here: the file may be sound, the environment is not
     detail = str(e).splitlines()[0][:200] if str(e) else ""
     return CorruptCheckpoint(path, f"{type(e).__name__}: {detail}" if detail else type(e).__name__)
-
-
-# torch's legacy (pre-zip) format opens with a pickled magic number: protocol 2, then a LONG1 of 10 bytes
-_LEGACY_START = b"\x80\x02\x8a\x0a"
 
 
 def _first_bytes(path: str) -> bytes:

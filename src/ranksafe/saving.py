@@ -37,9 +37,12 @@ def _where(path: str) -> str:
 
 
 def error_naming_target(e: OSError, action: str, path: str) -> OSError:
-    """The same kind of OSError, with a message that names the target (not a temporary) and the rank."""
+    """The same kind of OSError, with a message that names the target (not a temporary) and the rank, and the
+    target as its ``path`` (which :class:`~ranksafe.RankFailure` carries to every rank)."""
     msg = f"{action} {_where(path)}: {e.strerror or e}"
-    return type(e)(e.errno, msg) if e.errno is not None else type(e)(msg)
+    error = type(e)(e.errno, msg) if e.errno is not None else type(e)(msg)
+    error.path = os.fspath(path)
+    return error
 
 
 def save(obj: Any, path: str | os.PathLike, writer: Writer = "main", **torch_save_kwargs: Any) -> str:
