@@ -291,8 +291,13 @@ def _spawned_writers_and_readers(rank, root):
     if rank == 0:
         os.makedirs(preds)
     ranksafe.barrier("preds dir")
-    tab.get_preds(save_preds=preds)
+    got, targs = tab.get_preds(save_preds=preds)  # outside distrib_ctx: every rank predicts on the whole loader
     out["preds"] = {"saves": saves.n - n, "files": sorted(os.listdir(preds))}
+    with torch.no_grad():
+        batches = list(tab.dls.valid)
+        want, true = torch.cat([tab.model(*b[:-1]) for b in batches]), torch.cat([b[-1] for b in batches])
+    out["preds"]["right"] = torch.allclose(got, want) and torch.equal(targs, true)
+    out["preds"]["rows"] = [len(ranksafe.load(os.path.join(preds, f))) for f in out["preds"]["files"]]
 
     # a write that fails on rank 0 only: a file stands where the models directory must go
     bad = os.path.join(root, "bad")
@@ -338,6 +343,8 @@ def test_spawned_without_rank_one_writer_shared_failures(tmp_path):
         assert "RankFailure" in m["error"] and "FileNotFoundError" in m["error"] and m["ranks"] == [0, 1], m
     # get_preds(save_preds=...): 2 validation batches written once each
     assert (r0["preds"]["saves"], r1["preds"]["saves"]) == (2, 0) and r0["preds"]["files"] == ["0", "1"]
+    # the predictions and targets of the loader, each batch once (before: every batch gathered from both ranks)
+    assert r0["preds"]["right"] and r1["preds"]["right"] and r0["preds"]["rows"] == [8, 8]
     # failures are raised on both ranks, fast, naming rank 0, as the built-in type too
     for v in (r0, r1):
         f = v["failed_save"]
@@ -465,3 +472,47 @@ def test_a_failure_on_one_rank_reaches_the_others_with_ranksafe_passed_to_fit_on
     # before: rank 0 waited in the next epoch's barrier for RANKSAFE_TIMEOUT (30 s), then named rank 1 missing
     assert r0["error"].startswith("RankFailure") and "rank 1" in r0["msg"] and "No space left" in r0["msg"], r0
     assert r0["seconds"] < 15, r0
+
+
+class FailAtEnd(Callback):
+    """Raise on one rank only in ``after_fit``, after RankSafe's last collective (a logger closing its file)."""
+
+    order = 70
+
+    def __init__(self, rank):
+        self.fail_rank = rank
+
+    def after_fit(self):
+        if ranksafe.rank() == self.fail_rank:
+            raise OSError(28, "No space left on device (closing the log, injected on one rank)")
+
+
+def _fails_at_the_end(rank, root, attached):
+    """Spawned, no RANK, nothing prepared by hand: the Learner has RankSafe, or only this fit does."""
+    torch.manual_seed(rank)  # different initial weights: DDP must make them equal
+    learn = _learner(root, attached)
+    watch = Watch()
+    start = time.monotonic()
+    try:
+        with learn.no_bar(), learn.no_logging(), learn.distrib_ctx(sync_bn=False):
+            learn.fit(2, 1e-2, cbs=[watch, FailAtEnd(rank=1), *([] if attached else [RankSafe()])])  # made in here
+        error = None
+    except Exception as e:
+        error = {"type": type(e).__name__, "msg": str(e)[:400]}
+    return {"error": error, "seconds": time.monotonic() - start, "shards": watch.shards, "weights": watch.weights[-1]}
+
+
+@pytest.mark.parametrize("attached", [True, False], ids=["attached", "fit only"])
+def test_a_failure_after_the_last_collective_of_a_fit_reaches_every_rank_and_a_fit_only_ranksafe_trains_ddp(
+    tmp_path, attached
+):
+    """Before: rank 1 failing in ``after_fit`` alone left rank 0's fit returning as if all went well; and with
+    RankSafe passed to the fit only, distrib_ctx was entered before it existed: under mp.spawn no DDP at all."""
+    r0, r1 = run_ranks(_fails_at_the_end, 2, args=(str(tmp_path), attached), timeout=180).values
+    print(r0, r1, sep="\n")
+    assert r1["error"]["type"] == "OSError"
+    assert r0["error"] is not None and r0["error"]["type"] == "RankFailure[OSError]", r0
+    assert "rank 1" in r0["error"]["msg"] and "closing the log" in r0["error"]["msg"] and r0["seconds"] < 20
+    for v, rank in ((r0, 0), (r1, 1)):  # DDP on two data shards, whichever way RankSafe came
+        assert v["shards"][0] == ("DistributedDataParallel", rank, 2), v["shards"]
+    assert r0["weights"] == r1["weights"]

@@ -64,7 +64,7 @@ from ..files import load_file
 from ..snapshot import StateDictLock
 from ..storage import Storage
 from .cpu import prepare_distributed
-from .learner import LEARNER_METHODS, NEW_METHODS, RankSafeLearner, opens_fit
+from .learner import LEARNER_METHODS, NEW_METHODS, RankSafeLearner, inside_wrapped_fit, opens_fit
 from .training_state import FIT, STATE, STEP_BASE, rank_state, restore, rng_file, set_rank_state, training_state
 
 _WRAPPED = "_ranksafe_wrapped"
@@ -149,7 +149,7 @@ def _skipped_event() -> None:
 
 _TRANSIENT = (
     "_installed", "_manager", "_lock", "_skip", "_active", "_trained", "_holding", "_depth", "_history", "_fits",
-    "_ordinal", "_base", "_quieted", "_epoch", "_fitting",
+    "_ordinal", "_base", "_quieted", "_epoch", "_fitting", "_ended_unwrapped",
 )  # fmt: skip
 """RankSafe's attributes that belong to one attachment, process or fit: never pickled with an exported Learner."""
 
@@ -180,6 +180,7 @@ class RankSafe(Callback):
     _lock: StateDictLock | None = None
     _skip: SkipToEpoch | None = None
     _fitting = False  # inside a fit (from its before_fit to its after_fit; validate passes inside it aside)
+    _ended_unwrapped = False  # a fit without ranksafe's fit wrapper (fit(cbs=[RankSafe()])) ended: see _taken_off
     _active = False  # checkpointing in this fit (a training fit, not validate/get_preds/lr_find)
     _trained = False  # this epoch trained (SkipToEpoch did not skip it)
     _holding = False  # the optimizer step holds the write side of the lock
@@ -234,24 +235,33 @@ class RankSafe(Callback):
     def learn(self, learn: Learner | None) -> None:
         if learn is self._learn:
             return
-        if learn is None and self._fitting:
-            self._removed_mid_fit()
+        meet = learn is None and self._taken_off()
         self._uninstall()
         object.__setattr__(self, "_learn", learn)
         if learn is not None:
             prepare_distributed()
             self._install()
+        if meet:
+            barrier("fastai: fit end")
 
-    def _removed_mid_fit(self) -> None:
-        """Taken off the Learner while its fit runs: ``fit(cbs=[RankSafe()])`` raising (fastai removes a fit's
-        callbacks on the way out, and calls no ``after_fit``). That ``fit`` is fastai's own, without the wrapper
-        of a Learner RankSafe is attached to (:func:`~ranksafe.fastai.learner.learner_fit`), so the error is
-        posted for the other ranks here (:func:`ranksafe.abort`), and what the fit held is released."""
+    def _taken_off(self) -> bool:
+        """Taken off the Learner at the end of ``fit(cbs=[RankSafe()])`` (fastai removes a fit's callbacks on the way
+        out). That ``fit`` is fastai's own, without the wrapper of a Learner RankSafe is attached to
+        (:func:`~ranksafe.fastai.learner.learner_fit`), so this does what the wrapper does: an error on its way
+        out (before this callback's ``after_fit``, or after it, in a later callback's) is posted for the other ranks
+        (:func:`ranksafe.abort`) and what the fit held is released; after a clean fit, True: the ranks meet once
+        more (a barrier), where they hear of an error another rank met after this callback's last collective."""
+        fitting, ended = self._fitting, self._ended_unwrapped
         object.__setattr__(self, "_fitting", False)
+        object.__setattr__(self, "_ended_unwrapped", False)
         exc = sys.exc_info()[1]
-        if exc is not None:
+        if exc is None:
+            return ended
+        if fitting or ended:
             abort(exc)
+        if fitting:
             self.fit_failed()
+        return False
 
     def reattach(self) -> None:
         """Install the rank-safe methods again on a Learner restored from a pickle (``load_learner``)."""
@@ -472,6 +482,7 @@ class RankSafe(Callback):
         """At the end of the outermost fit: wait for the last checkpoint and raise its failure on every rank."""
         if opens_fit(self.learn):
             object.__setattr__(self, "_fitting", False)
+            object.__setattr__(self, "_ended_unwrapped", not inside_wrapped_fit())
         if not self._active:
             return
         object.__setattr__(self, "_depth", self._depth - 1)

@@ -18,12 +18,17 @@ variables already agree with the process group.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import warnings
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from fastai.distributed import DistributedDL
+from fastai.learner import Learner
 from fastcore.basics import patch_to
 
 from .. import topology
@@ -80,8 +85,34 @@ def enable_cpu_distributed() -> None:
 
 
 def prepare_distributed() -> bool:
-    """Both fixes at once: what a ranksafe-enabled Learner does when it is created or attached."""
+    """Both fixes at once: what a ranksafe-enabled Learner does when it is created or attached, and what
+    ``Learner.distrib_ctx`` does on entry once ranksafe.fastai is imported (:func:`follow_in_distrib_ctx`)."""
     found = follow_process_group()
     if found:
         enable_cpu_distributed()
     return found
+
+
+def follow_in_distrib_ctx() -> None:
+    """Make ``Learner.distrib_ctx`` call :func:`prepare_distributed` on entry; idempotent.
+
+    ``with learn.distrib_ctx(): learn.fit(n, cbs=[RankSafe()])`` enters the context before the callback exists:
+    under ``mp.spawn`` (no ``RANK``) fastai then saw no distributed job and trained each rank on its own, without
+    ``DistributedDataParallel``, while the callback went on as if it were one job.
+    """
+    stock = Learner.distrib_ctx
+    if getattr(stock, _PATCHED, False):
+        return
+
+    @functools.wraps(stock)
+    @contextlib.contextmanager
+    def distrib_ctx(self: Learner, *args: Any, **kwargs: Any) -> Iterator[Learner]:
+        prepare_distributed()
+        with stock(self, *args, **kwargs) as learn:
+            yield learn
+
+    setattr(distrib_ctx, _PATCHED, True)
+    Learner.distrib_ctx = distrib_ctx
+
+
+follow_in_distrib_ctx()  # on import: distrib_ctx follows the process group, whether RankSafe is attached yet or not

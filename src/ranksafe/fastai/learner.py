@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import pickle
 import sys
+import threading
 import types
 import warnings
 from collections.abc import Callable
@@ -31,7 +32,7 @@ from fastcore.foundation import L
 from fastcore.xtras import load_pickle
 
 from .. import saving, topology
-from ..collectives import abort_on_error, together
+from ..collectives import abort_on_error, barrier, together
 from ..errors import UntrustedCheckpoint
 from ..files import atomic_save
 
@@ -313,12 +314,31 @@ def _stock(self: Learner, name: str) -> Callable:
 
 
 def learner_get_preds(self: Learner, *args: Any, save_preds=None, save_targs=None, cbs=None, **kwargs: Any):
-    """``get_preds``; with ``save_preds``/``save_targs`` each batch file is written once, atomically."""
+    """``get_preds``; with ``save_preds``/``save_targs`` each batch file is written once, atomically.
+
+    Outside ``distrib_ctx`` every rank predicts on the whole loader, and fastai (which sees ``WORLD_SIZE``) would
+    still gather every batch from every rank: each batch twice on 2 ranks, and after its reordering the first
+    half of the doubled rows, wrong predictions and targets. Batches are gathered only from a sharded loader.
+    """
     stock = _stock(self, "get_preds")
-    if save_preds is None and save_targs is None:
+    if save_preds is not None or save_targs is not None:
+        cbs = [*L(cbs), _SavePreds(save_preds, save_targs, kwargs.get("pickle_protocol", 2))]
+    had = self.__dict__.get("to_detach")
+    self.__dict__["to_detach"] = types.MethodType(_to_detach_sharded_only, self)
+    try:
         return stock(*args, cbs=cbs, **kwargs)
-    writer = _SavePreds(save_preds, save_targs, kwargs.get("pickle_protocol", 2))
-    return stock(*args, cbs=[*L(cbs), writer], **kwargs)
+    finally:
+        if had is None:
+            del self.__dict__["to_detach"]
+        else:
+            self.__dict__["to_detach"] = had
+
+
+def _to_detach_sharded_only(self: Learner, b: Any, cpu: bool = True, gather: bool = True) -> Any:
+    """``Learner.to_detach`` that gathers only from a sharded loader (one with its own ``to_detach``:
+    fastai's ``DistributedDL``); an unsharded one holds the same batches on every rank."""
+    dl = getattr(self, "dl", None)
+    return type(self).to_detach(self, b, cpu, gather and hasattr(dl, "to_detach"))
 
 
 def learner_save_encoder(self: Learner, file: str) -> Path:
@@ -354,14 +374,25 @@ def opens_fit(learn: Learner) -> bool:
     return not learn.lock.locked()
 
 
+_wrapped = threading.local()  # how many _fit calls this thread is inside
+
+
+def inside_wrapped_fit() -> bool:
+    """Whether this thread runs a ``fit`` that :func:`_fit` wraps (the Learner has RankSafe attached)."""
+    return getattr(_wrapped, "depth", 0) > 0
+
+
 def _fit(learn: Learner, fit: Callable[[], None]) -> None:
-    """Run ``fit`` under :func:`ranksafe.abort_on_error`.
+    """Run ``fit`` under :func:`ranksafe.abort_on_error`, then meet the other ranks (one barrier).
 
     If it raises, the :class:`RankSafe` callbacks release what they hold (``fit_failed``): fastai calls
-    no ``after_fit`` then.
+    no ``after_fit`` then. The barrier at the end is where the other ranks hear of a failure in a callback that
+    runs after RankSafe's last collective (a later ``after_epoch`` of the last epoch, any ``after_fit``): without
+    it, a rank failing there alone was never reported, and the others went on.
     """
     from .callback import RankSafe
 
+    _wrapped.depth = getattr(_wrapped, "depth", 0) + 1
     try:
         with abort_on_error():
             fit()
@@ -370,6 +401,9 @@ def _fit(learn: Learner, fit: Callable[[], None]) -> None:
             if isinstance(cb, RankSafe):
                 cb.fit_failed()
         raise
+    finally:
+        _wrapped.depth -= 1
+    barrier("fastai: fit end")
 
 
 def learner_fit(self: Learner, *args: Any, **kwargs: Any) -> None:
