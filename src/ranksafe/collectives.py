@@ -417,7 +417,7 @@ def abort(exc: BaseException) -> None:
     A rank that raises on its own (a log write, a user callback) never reaches the next collective, and
     the others would wait there until the timeout. After ``abort``, a collective that misses a rank (waiting,
     or started later in this process group) raises :class:`RankFailure` naming this rank and its error on
-    every rank, :data:`_ABORT_GRACE` seconds after it noticed the abort, instead of waiting for the timeout.
+    every rank, 2 seconds (the grace) after it noticed the abort, instead of waiting for the timeout.
     Collectives that every rank reaches in time still run: ranks that all failed alike (a signal, an error
     in the same batch) can still take part in an exception-time save together, and a rank that caught its
     error and takes part again withdraws its abort. A :class:`RankFailure` is already known everywhere and is

@@ -87,6 +87,7 @@ class RankFailure(RankSafeError):
 
     @property
     def ranks(self) -> list[int]:
+        """The failed ranks, in the order the failures are listed (rank order)."""
         return [f.rank for f in self.failures]
 
     def ranks_text(self) -> str:

@@ -75,7 +75,9 @@ def load(
     The barrier inside means no rank reads before the writer committed (the writer reaches ``load``
     only after its save returned). A missing, truncated or corrupt file raises the same error on every
     rank (``FileNotFoundError``, :class:`CorruptCheckpoint`, ...), naming the path and the ranks, even
-    when only some ranks could not read it.
+    when only some ranks could not read it. ``weights_only``, ``verify`` and the rest as
+    :func:`~ranksafe.files.load_file`: ``None`` leaves the choice to ``torch.load``; ``verify=False`` skips the
+    footer's checksum.
     """
     path = os.fspath(path)
     barrier("load", what=f"load {path}")

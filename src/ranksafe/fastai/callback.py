@@ -229,6 +229,8 @@ class RankSafe(Callback):
     # Attaching: Learner.add_cb sets `cb.learn`, remove_cb sets it to None.
     @property
     def learn(self) -> Learner | None:
+        """The Learner this callback is attached to (None when it is not); attaching installs the rank-safe
+        methods, taking it off removes them."""
         return self._learn
 
     @learn.setter
