@@ -490,3 +490,35 @@ def test_inside_lightnings_async_wrapper_the_plugin_is_torn_down_after_fit(tmp_p
     trainer.fit(Model(step_time=0), torch.utils.data.DataLoader(data, batch_size=4))
     assert [t.name for t in threading.enumerate() if t.name.startswith("ranksafe")] == []
     assert inner._torn_down  # a later trainer.save_checkpoint is synchronous: nothing would wait for it
+
+
+class FallingLoss(Model):
+    """val_loss falls at every epoch: ModelCheckpoint's best file moves at every epoch end."""
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", 1.0 / (self.current_epoch + 1))
+
+
+def _fit_tracked(root: Path, epochs: int, resume: bool) -> tuple[pl.Trainer, ModelCheckpoint]:
+    best = ModelCheckpoint(dirpath=root / "best", monitor="val_loss", save_top_k=1)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_epochs=epochs, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0,
+        callbacks=[best, RankSafe(checkpoint_dir=root / "managed", keep=1, resume=resume)],
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g))
+    loader = torch.utils.data.DataLoader(data, batch_size=4)
+    trainer.fit(FallingLoss(step_time=0), loader, loader)
+    return trainer, best
+
+
+def test_a_step_holds_the_model_checkpoint_state_of_its_epoch_and_a_resume_tracks_every_file(tmp_path):
+    """Before: the step was saved before ModelCheckpoint's epoch end, with its state of the epoch before; resumed
+    from it, ModelCheckpoint(save_top_k=1) never knew the last best file, which stayed on disk beside the new one."""
+    _, best = _fit_tracked(tmp_path, 3, resume=False)  # 4 steps an epoch
+    state = ranksafe.load_file(tmp_path / "managed" / "step_00000012" / "state.pt", weights_only=False)
+    assert best.best_model_path.endswith("epoch=2-step=12.ckpt")
+    assert state["callbacks"][best.state_key]["best_model_path"] == best.best_model_path
+    resumed, best = _fit_tracked(tmp_path, 5, resume=True)
+    assert resumed.global_step == 20 and sorted(os.listdir(tmp_path / "best")) == ["epoch=4-step=20.ckpt"]

@@ -37,7 +37,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.fabric.plugins import CheckpointIO
-from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, Checkpoint, EarlyStopping, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 
 from .. import topology
@@ -178,6 +178,19 @@ def _linking(timeout: float | None) -> Callable[[Callable], Callable]:
     return wrap
 
 
+def _then(after: Callable[[pl.Trainer], None]) -> Callable[[Callable], Callable]:
+    """An ``on_train_epoch_end`` followed by ``after(trainer)``."""
+
+    def wrap(hook: Callable) -> Callable:
+        def on_train_epoch_end(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            hook(trainer, pl_module)
+            after(trainer)
+
+        return on_train_epoch_end
+
+    return wrap
+
+
 def _holding(locks: list[StateDictLock]) -> Callable[[Callable], Callable]:
     """``optimizer_step`` wrapped in the write side of ``locks``: no snapshot sees weights mid-update."""
 
@@ -211,8 +224,9 @@ class RankSafe(Callback):
             optimizers, loops, callbacks) at the end of every ``every_n_epochs``-th training epoch into a
             :class:`~ranksafe.CheckpointManager` under this directory. The step number is
             ``trainer.global_step`` (optimizer steps so far), so it grows across epochs and resumed runs. The
-            save happens in this callback's ``on_train_epoch_end``, which Lightning runs before
-            ModelCheckpoint's and EarlyStopping's: their state in the step is that of the previous epoch.
+            save comes right after the last ModelCheckpoint's or EarlyStopping's ``on_train_epoch_end`` (which
+            Lightning runs after every other callback's): their state in the step is that of this epoch, as in a
+            ModelCheckpoint file saved then.
         keep: committed steps to keep under ``checkpoint_dir`` (``None``: all).
         every_n_epochs: save every this many epochs.
         storage: ``"auto"`` probes whether ``checkpoint_dir`` is shared by every rank or local to each node
@@ -250,6 +264,7 @@ class RankSafe(Callback):
         self.lock = StateDictLock()  # the manager's snapshots take its read side; optimizer steps its write side
         self.manager = self._new_manager()
         self._io: RankSafeCheckpointIO | None = None  # the async plugin of the current run, if any
+        self._after_monitors = False  # the epoch's step is saved after the last monitoring callback's epoch end
 
     def _new_manager(self) -> CheckpointManager | None:
         if self._manager_args is None:
@@ -306,6 +321,14 @@ class RankSafe(Callback):
             _wrap_once(trainer.strategy, "optimizer_step", _holding(locks))
         if self.resume:
             _wrap_once(trainer._checkpoint_connector, "_restore_modules_and_callbacks", self._resuming(trainer))
+        if self.manager is not None:
+            # Lightning runs the monitoring callbacks' epoch end after every other callback's, and ModelCheckpoint
+            # and EarlyStopping update their state there: saved in this callback's own, the step held their state
+            # of the epoch before (a resumed ModelCheckpoint lost track of its newest top-k file)
+            monitors = [cb for cb in trainer.callbacks if isinstance(cb, (EarlyStopping, Checkpoint))]
+            self._after_monitors = bool(monitors)
+            if monitors:
+                _wrap_once(monitors[-1], "on_train_epoch_end", _then(self._save_step))
         for cb in trainer.checkpoint_callbacks:
             if isinstance(cb, ModelCheckpoint):
                 _wrap_once(cb, "_link_checkpoint", _linking(self.timeout))
@@ -345,7 +368,12 @@ class RankSafe(Callback):
             check_savers(savers, "RankSafe")
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Every ``every_n_epochs`` epochs, the Trainer's full checkpoint becomes a committed manager step."""
+        """Every ``every_n_epochs`` epochs, the Trainer's full checkpoint becomes a committed manager step: here
+        when no monitoring callback comes after this one, else right after the last of them (see ``setup``)."""
+        if not self._after_monitors:
+            self._save_step(trainer)
+
+    def _save_step(self, trainer: pl.Trainer) -> None:
         if self.manager is None or (trainer.current_epoch + 1) % self.every_n_epochs:
             return
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)  # what save_checkpoint writes
