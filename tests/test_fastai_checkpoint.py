@@ -538,3 +538,32 @@ def test_checkpoints_however_the_fit_starts_and_whatever_its_callbacks_validate(
     _fit(learn, 3, RankSafe(checkpoint_dir="ckpt"))
     assert _committed(tmp_path / "ckpt") == [0, 1, 2]
     assert [_saved(tmp_path / "ckpt", s)["epoch"] for s in (0, 1, 2)] == [0, 1, 2]
+
+
+def test_a_resumed_run_shuffles_a_plain_fastai_loader_as_the_uninterrupted_run_does(tmp_path):
+    """fastai's DataLoader shuffles with a generator of its own, reseeded from itself at every epoch; only the
+    global generators were saved, so a resumed run trained its epochs on other batches (the tabular loader of the
+    other tests shuffles with NumPy's global generator, which hid it)."""
+    from fastai.data.core import DataLoaders
+    from fastai.data.load import DataLoader
+
+    def run(seed, directory, *cbs, **kw) -> Learner:
+        set_seed(seed, reproducible=True)  # the loaders' own generators are drawn from the global one
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(64, 3, generator=g)
+        rows = list(zip(x, x.sum(1, keepdim=True), strict=True))
+        dls = DataLoaders(DataLoader(rows[:48], bs=8, shuffle=True), DataLoader(rows[48:], bs=8), device="cpu")
+        torch.manual_seed(0)
+        learn = Learner(
+            dls, torch.nn.Linear(3, 1), loss_func=MSELossFlat(), path=tmp_path, cbs=RankSafe(directory, **kw)
+        )
+        with learn.no_bar(), learn.no_logging():
+            learn.fit(4, 1e-2, cbs=list(cbs))
+        return learn
+
+    reference = run(0, "reference")
+    with pytest.raises(Interrupted):
+        run(0, "ckpt", Crash(at=2))
+    again = run(1, "ckpt", resume=True)
+    assert [list(v) for v in again.recorder.values] == [list(v) for v in reference.recorder.values]
+    assert params(again) == params(reference)

@@ -4,7 +4,8 @@ A checkpoint of :class:`~ranksafe.fastai.RankSafe` holds, in ``state.pt`` (writt
 ``state_dict``, the optimizer's state, MixedPrecision's GradScaler state (fp16), the epoch just completed, the
 Recorder's values and where the fit stands in the run (which fit of the script wrote it, and the step number
 of that fit's epoch 0, so that a re-run of a script with several fits knows which one to continue); and one
-file per rank (``rng-00000.pt``, ...) with that rank's random generators (Python, NumPy, torch, CUDA), so that
+file per rank (``rng-00000.pt``, ...) with that rank's random generators (Python, NumPy, torch, CUDA, and each
+data loader's own), so that
 a resumed run draws the same augmentations and dropout masks as the uninterrupted one would, and its
 Recorder's smoothed loss, which runs on across epochs (the ``train_loss`` of the first resumed epoch is the
 uninterrupted run's). Everything is plain tensors and built-in types: it loads with ``weights_only=True``.
@@ -17,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from fastai.distributed import DistributedDL
 from fastai.learner import Learner
 from fastai.torch_core import get_model
 from fastcore.foundation import L
@@ -88,10 +90,24 @@ def restore(learn: Learner, state: dict[str, Any]) -> None:
     learn.opt.load_state_dict(opt)
 
 
+def _loaders(learn: Learner) -> list[Any]:
+    """The fastai DataLoaders of ``learn`` that shuffle with a generator of their own (``DataLoader.rng``), unwrapped
+    from fastai's ``DistributedDL``, in the order of ``learn.dls``."""
+    found = []
+    for dl in getattr(getattr(learn, "dls", None), "loaders", ()):
+        dl = dl.dl if isinstance(dl, DistributedDL) else dl
+        if isinstance(getattr(dl, "rng", None), random.Random):
+            found.append(dl)
+    return found
+
+
 def rank_state(learn: Learner) -> dict[str, Any]:
-    """This rank's own part of a checkpoint: :func:`rng_state`, and the Recorder's smoothed loss (the loss of
-    this rank's batches, averaged over every batch so far)."""
+    """This rank's own part of a checkpoint: :func:`rng_state`, the generators of its data loaders (a fastai
+    ``DataLoader`` shuffles with its own, reseeded from itself at every epoch: a resumed run restored without it
+    trained its epochs on other batches), and the Recorder's smoothed loss (the loss of this rank's batches,
+    averaged over every batch so far)."""
     state = rng_state()
+    state["loaders"] = [dl.rng.getstate() for dl in _loaders(learn)]
     smooth = getattr(getattr(learn, "recorder", None), "smooth_loss", None)
     if smooth is not None:
         val = torch.as_tensor(smooth.val).as_subclass(torch.Tensor)  # fastai's TensorBase needs a full unpickler
@@ -103,6 +119,10 @@ def set_rank_state(learn: Learner, state: dict[str, Any]) -> None:
     """Restore what :func:`rank_state` returned, after the Recorder's ``before_fit`` reset its smoothed loss
     (a file written before the smoothed loss was saved restores the generators only)."""
     set_rng_state(state)
+    loaders = _loaders(learn)
+    if len(loaders) == len(state.get("loaders", ())):  # other loaders now (or a file from before): as they are
+        for dl, (version, internal, gauss) in zip(loaders, state["loaders"], strict=True):
+            dl.rng.setstate((version, tuple(internal), gauss))
     smooth = getattr(getattr(learn, "recorder", None), "smooth_loss", None)
     if smooth is not None and "smooth_loss" in state:
         smooth.count, smooth.val = state["smooth_loss"]["count"], state["smooth_loss"]["val"]
