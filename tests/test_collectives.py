@@ -306,3 +306,25 @@ def test_a_rank_that_fails_alone_and_goes_on_is_reported_and_later_collectives_d
         assert kind == "RankFailure[OSError]" and "rank 1" in msg and "No space left" in msg
     kind, msg, seconds = r0[1]  # rank 0's save: rank 1 is gone from it, after the grace, not the timeout
     assert kind.startswith("RankFailure") and "rank 1" in msg and seconds < 10
+
+
+def _main_fails_alone(rank):
+    ranksafe.barrier("warm")
+    start = time.monotonic()
+    try:
+        with ranksafe.abort_on_error():
+            if rank == 0:  # then this process exits, and with it the store it hosts (mp.spawn, tcp://)
+                raise OSError(28, "No space left on device (the CSV log on rank 0)")
+            ranksafe.barrier("next epoch", timeout=20)
+    except (ranksafe.RankFailure, OSError) as e:
+        return {"type": type(e).__name__, "msg": str(e)[:300], "seconds": time.monotonic() - start}
+    return "no error"
+
+
+def test_the_failure_of_a_rank_0_that_hosts_the_store_reaches_the_others_before_it_exits():
+    """Before: rank 0 exited at once, and rank 1 raised "lost the rendezvous store", naming itself and no cause."""
+    r0, r1 = run_ranks(_main_fails_alone, 2, timeout=60).values
+    print(r0, r1, sep="\n")
+    assert r0["type"] == "OSError"
+    assert r1["type"] == "RankFailure[OSError]" and "rank 0" in r1["msg"] and "No space left" in r1["msg"], r1
+    assert r1["seconds"] < 10

@@ -81,18 +81,31 @@ class _Session:
         return [f"{base}/{r}" for r in range(self.world)], f"{base}/result", f"{base}/read"
 
     def drain(self, timeout: float = 10.0) -> None:
-        """On main: wait until every rank has read the last result.
+        """On main: wait until every rank has read the last result, and, if main failed alone, its failure.
 
         Under ``mp.spawn`` the store lives in rank 0's process: if rank 0 exited right after the last
-        collective, the others would lose the store before reading its result.
+        collective, the others would lose the store before reading its result; and a rank 0 that failed alone
+        (:func:`abort`) and exited at once left them "lost the rendezvous store" instead of its error. Then it
+        waits, at most the abort grace and a little more, until the ranks waiting in the next exchange have
+        decided it (the abort) and read the result.
         """
-        if self.rank != 0 or not self.readers:
+        if self.rank != 0:
             return
-        _, _, read_key = self.keys(self.seq)
         deadline = time.monotonic() + timeout
         with contextlib.suppress(dist.DistError):
-            while self.store.add(read_key, 0) < self.readers and time.monotonic() < deadline:
+            _, _, read_key = self.keys(self.seq)
+            while self.readers and self.store.add(read_key, 0) < self.readers and time.monotonic() < deadline:
                 time.sleep(0.005)
+            if not self.store.check([self.abort_key(0)]):
+                return
+            rank_keys, result_key, read_key = self.keys(self.seq + 1)
+            deadline = min(deadline, time.monotonic() + _ABORT_GRACE + 2 * _GRACE)
+            while time.monotonic() < deadline:
+                posted = sum(self.store.check([k]) for k in rank_keys[1:])
+                if posted == self.world - 1 and self.store.check([result_key]):
+                    if self.store.add(read_key, 0) >= posted:
+                        return
+                time.sleep(0.01)
 
 
 _session: _Session | None = None
