@@ -328,3 +328,24 @@ def test_the_failure_of_a_rank_0_that_hosts_the_store_reaches_the_others_before_
     assert r0["type"] == "OSError"
     assert r1["type"] == "RankFailure[OSError]" and "rank 0" in r1["msg"] and "No space left" in r1["msg"], r1
     assert r1["seconds"] < 10
+
+
+def _main_alone(rank, path):
+    ranksafe.barrier("warm")
+    if rank == 1:
+        return "finished"  # the script ends: the save below is rank 0's alone, as `if rank == 0: learn.export()`
+    start = time.monotonic()
+    try:
+        ranksafe.save({"w": 1}, path)
+    except ranksafe.RankFailure as e:
+        return {"type": type(e).__name__, "msg": str(e)[:300], "seconds": time.monotonic() - start}
+    return "saved"
+
+
+def test_a_collective_that_only_one_rank_reaches_fails_soon_after_the_other_exits(tmp_path):
+    """Before: rank 0 waited in its save for rank 1, which had ended, for the whole timeout (30 minutes by
+    default); now the exiting rank says it is gone, and the save gives up after the grace, naming it."""
+    r0, r1 = run_ranks(_main_alone, 2, args=(str(tmp_path / "m.pth"),), env={"RANKSAFE_TIMEOUT": "30"}).values
+    assert r1 == "finished"
+    assert r0["type"] == "RankFailure" and "rank 1" in r0["msg"] and "ended" in r0["msg"], r0
+    assert r0["seconds"] < 10

@@ -102,9 +102,9 @@ class _Session:
             deadline = min(deadline, time.monotonic() + _ABORT_GRACE + 2 * _GRACE)
             while time.monotonic() < deadline:
                 posted = sum(self.store.check([k]) for k in rank_keys[1:])
-                if posted == self.world - 1 and self.store.check([result_key]):
-                    if self.store.add(read_key, 0) >= posted:
-                        return
+                decided = posted == self.world - 1 and self.store.check([result_key])
+                if decided and self.store.add(read_key, 0) >= posted:
+                    return
                 time.sleep(0.01)
 
 
@@ -112,10 +112,20 @@ _session: _Session | None = None
 _session_lock = threading.RLock()  # re-entrant: see _refuse_nesting
 
 
+_EXITED = "ranksafe.Exited"  # the type name of the failure a rank posts for itself as it exits
+
+
 @atexit.register
 def _drain_at_exit() -> None:
-    if _session is not None and topology.is_distributed():
-        _session.drain()
+    """At exit: main waits for the last result to be read (:meth:`_Session.drain`); then the rank tells the others
+    it is gone, as :func:`abort` does, so that a collective it never reaches (a call guarded by ``if rank == 0:``,
+    fastai's stock idiom for ``export``) gives up after the grace, naming it, instead of waiting for the timeout.
+    A rank that already posted a failure keeps it. Only in a group where this rank took part in a ranksafe
+    collective: a process that never did makes no store request at exit."""
+    if _session is None or not topology.is_distributed() or _session.group_id != id(dist.group.WORLD):
+        return  # no ranksafe collective ran in this group: nothing to wait for, and no store request at exit
+    _session.drain()
+    _post_failure(Failure(topology.rank(), _EXITED, "the process ended without reaching this collective"), False)
 
 
 def _get_session(timeout: float | None, what: str | None = None) -> _Session | None:
@@ -436,16 +446,23 @@ def abort(exc: BaseException) -> None:
     error and takes part again withdraws its abort. A :class:`RankFailure` is already known everywhere and is
     not posted again. Local; never raises.
     """
-    global _session
     if isinstance(exc, RankFailure) or not topology.is_distributed() or dist.get_world_size() == 1:
         return
+    _post_failure(Failure.from_exception(topology.rank(), exc), replace=True)
+
+
+def _post_failure(failure: Failure, replace: bool) -> None:
+    """Post ``failure`` under this rank's abort key, and count it, unless one is there and not ``replace``."""
+    global _session
     with contextlib.suppress(dist.DistError), _session_lock:
         if _session is None or _session.group_id != id(dist.group.WORLD):
             _session = _Session()  # the host exchange waits for the next collective, which will raise
         s = _session
         key = s.abort_key(s.rank)
         posted = s.store.check([key])
-        s.store.set(key, pickle.dumps((s.seq, Failure.from_exception(s.rank, exc))))
+        if posted and not replace:
+            return
+        s.store.set(key, pickle.dumps((s.seq, failure)))
         if not posted:
             s.store.add(s.aborts_key, 1)
 
