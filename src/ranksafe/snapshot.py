@@ -19,6 +19,7 @@ import contextlib
 import copy
 import ctypes
 import mmap
+import operator
 import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -138,6 +139,9 @@ class StateDictLock:
 # elements (at::internal::GRAIN_SIZE) across them, counted here in float32 elements. A shorter one is copied by
 # one thread either way, and memmove does that without torch's per-call overhead.
 _BULK_BYTES = 4 * 32768
+# torch copies a range as words of this many bytes (int64), not as bytes: its copy of a uint8 tensor is ~10% slower
+# than the same bytes as int64 or float32 (measured here right after a stand-in step: 7.4 against 6.7 ms, 100 MiB)
+_WORD = 8
 # Tensors whose bytes are closer than this are copied as one range with the bytes between them. Less than a
 # page: every byte in between shares a page with a byte of a live tensor, so it is mapped and safe to read.
 _GAP = 1024
@@ -238,6 +242,8 @@ def _is_dtensor(t: Any) -> bool:
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_KINDS = frozenset(_PLAIN_TENSORS)
+_IS_NESTED, _DATA_PTR = operator.attrgetter("is_nested"), torch.Tensor.data_ptr
 _COMPRESSED = frozenset({torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc})
 # Immutable leaves: deepcopy would return them unchanged, at the price of a function call each.
 _ATOMS = frozenset({int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size})
@@ -382,9 +388,22 @@ class _Walk:
     def _mapping_quick(self, obj: Mapping, out: Any) -> Any:
         """:meth:`_mapping_full` reading a flag and the address of each tensor instead of ten attributes, and no
         clothes: the guard that admits these tensors checks their types, devices and ``requires_grad``, so the
-        planned clothes fit."""
+        planned clothes fit.
+
+        A mapping of tensors only (a model's or an optimizer's state dict) is read in C loops (``map`` over the
+        getters), not in Python: 0.80 -> 0.47 ms for 1,040 tensors right after a stand-in step (median of 30)."""
         walk, sources, slots, ptrs = self._walk, self.sources, _SLOTS, self.ptrs
         plain, parameter = torch.Tensor, torch.nn.Parameter
+        values = list(obj.values())
+        if values and _PLAIN_KINDS.issuperset(map(type, values)):
+            if any(map(_IS_NESTED, values)):  # no sizes or strides: the guard reads them first, and would abort
+                raise _NotQuick
+            ptrs.extend(map(_DATA_PTR, values))  # RuntimeError where there is no storage (sparse): see _walk
+            first = len(sources)
+            sources.extend(values)
+            _slot(len(sources) - 1)  # every slot exists
+            out.update(zip(obj.keys(), slots[first : len(sources)], strict=True))
+            return out
         for k, v in obj.items():
             kind = type(v)
             if kind is plain or kind is parameter:
@@ -583,9 +602,15 @@ class StagingBuffers:
         for (start, end, members), at in zip(runs, where, strict=True):
             for i in members:
                 views[i] = self._host_view(tensors[i], at + tensors[i].data_ptr() - start)
-            if end - start >= _BULK_BYTES:
-                self._bulk_dst.append(self._host_bytes[at : at + end - start])
-                self._bulk_src.append(_bytes_at(start, end - start))
+            if end - start >= _BULK_BYTES:  # as 8-byte words (aligned alike: at = start mod _ALIGN), ends by memmove
+                head = -start % _WORD
+                body = (end - start - head) // _WORD * _WORD
+                self._bulk_dst.append(self._host_bytes[at + head : at + head + body].view(torch.int64))
+                self._bulk_src.append(_bytes_at(start + head, body).view(torch.int64))
+                base = self._host_bytes.data_ptr() + at
+                for offset, n in ((0, head), (head + body, end - start - head - body)):
+                    if n:
+                        self._small.append((base + offset, start + offset, n))
             else:
                 self._small.append((self._host_bytes.data_ptr() + at, start, end - start))
         for i in host_others:
