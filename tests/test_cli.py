@@ -96,6 +96,7 @@ def test_demo_refuses_fewer_than_two_ranks(capsys):
 def test_doctor_creates_root_or_reports_the_file_in_its_way(tmp_path, capsys):
     code, out = _cli(capsys, "doctor", str(tmp_path / "new" / "root"), "--megabytes", "1")
     assert code == 0 and re.search(r"rank 0: \d+ MiB/s", out) and os.listdir(tmp_path / "new" / "root") == []
+    assert "one process: nothing to compare" in out  # no "every rank sees the same files" from one process
     (tmp_path / "file").write_text("in the way")
     code, out = _cli(capsys, "doctor", str(tmp_path / "file" / "root"))
     assert (code, out) == (1, f"BAD {tmp_path / 'file' / 'root'}: {tmp_path / 'file'} is a file, not a directory\n")

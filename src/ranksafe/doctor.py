@@ -82,7 +82,9 @@ def _report(root: str, megabytes: int) -> int:
         print(f"  rank {r['rank']:>3}  node {node}  local rank {r['local']}  host {r['host']}")
     writers = [r for r, s in enumerate(speeds) if s is not None]
     print(f"\n{root}: {where.kind}")
-    if where.kind == "shared":
+    if world == 1:
+        verdict = "one process: nothing to compare it with; run under the launcher, as training does"
+    elif where.kind == "shared":
         verdict = "every rank sees the same files: global rank 0 writes (writer='main', storage='shared')"
     elif where.kind == "local":
         verdict = (
