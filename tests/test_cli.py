@@ -16,6 +16,7 @@ def test_demo_runs_and_shows_naive_errors_and_none_for_ranksafe():
     assert out.returncode == 0, out.stdout + out.stderr
     assert re.search(r"ranksafe \(prepare_dir.*: 0 errors in 15 rank-rounds", out.stdout)
     assert "failure raised on 3/3 ranks" in out.stdout
+    assert out.stdout.count("DIR/blocker is a file, not a directory") == 3  # the cause, whole, on every rank
     assert "round   5/5 [####################]" in out.stdout  # the progress display, one line per round
 
 

@@ -159,9 +159,9 @@ def run(ranks: int = 4, rounds: int = 10, timeout: float = 180.0) -> int:
     total = ranks * rounds
     print(f"\nnaive   (every rank: rmtree, mkdir, torch.save, torch.load): {naive} errors in {total} rank-rounds")
     print(f"ranksafe (prepare_dir, save, load: one writer, atomic, barrier): {safe} errors in {total} rank-rounds")
-    print("\nA write that fails on rank 0 (a file where the directory must go), as seen by each rank:")
+    print(f"\nA write that fails on rank 0 (a file where the directory must go), as seen by each rank ({root} = DIR):")
     for r in results:
-        print(f"  rank {r['rank']}: {r['failure'][:160]}")
+        print(f"  rank {r['rank']}: {r['failure'].replace(root, 'DIR')[:200]}")
     heard = sum(r["failure"].startswith("RankFailure") for r in results)
     ok = safe == 0 and heard == ranks
     print(f"\n{'OK' if ok else 'FAILED'}: ranksafe {safe} errors; failure raised on {heard}/{ranks} ranks, no hang")
