@@ -702,3 +702,33 @@ def test_a_tensor_whose_storage_was_resized_under_it_is_refused_not_read():
     t.untyped_storage().resize_(16)  # as FSDP frees a parameter's storage; was: 4,000 bytes read from 16
     with pytest.raises(ValueError, match="spans 4000 bytes of a storage of 16"):
         staging.take(state)
+
+
+class _Frozen(collections.abc.Mapping):
+    """An immutable mapping in a state (a config object): copied whole, its tensors too."""
+
+    def __init__(self, items):
+        self._items = dict(items)
+
+    def __getitem__(self, key):
+        return self._items[key]
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __len__(self):
+        return len(self._items)
+
+
+def test_an_immutable_mapping_is_copied_whole_and_the_plan_still_holds(monkeypatch):
+    """Its tensors were counted as sources before the assignment into the copy failed: planned and staged for
+    nothing, and with the quick walk reading a mapping at once, a plan that never matched again."""
+    full_walks = _count_full_walks(monkeypatch)
+    frozen = _Frozen({"a": torch.ones(3), "b": torch.nn.Parameter(torch.zeros(2))})
+    state, staging = {"w": torch.randn(100), "config": frozen}, StagingBuffers()
+    for i in range(3):
+        state["w"].fill_(i)
+        snap = staging.take(state)
+        assert torch.equal(snap["w"], state["w"]) and type(snap["config"]) is _Frozen
+        assert torch.equal(snap["config"]["a"], frozen["a"]) and snap["config"]["a"] is not frozen["a"]
+    assert len(staging._views) == 1 and full_walks[0] == 1  # the plan, then quick walks

@@ -466,13 +466,17 @@ class CheckpointManager:
         return sorted(s for s in steps if os.path.isfile(os.path.join(self.step_dir(s), MANIFEST)))
 
     def _clean_debris(self) -> None:
-        """Remove what crashed saves and deletions of this manager's steps left, once any committed step among
-        it is put back."""
-        self._committed()
+        """Remove what crashed saves and deletions of this manager's steps left, once a committed step among it
+        is put back (:meth:`AtomicDir.recover`)."""
         with contextlib.suppress(FileNotFoundError):
             for name in os.listdir(self.root):
-                if self._debris.match(name):
-                    shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+                m = self._debris.match(name)
+                if m is None:
+                    continue
+                AtomicDir(os.path.join(self.root, m.group(1))).recover()
+                path = os.path.join(self.root, name)
+                if os.path.lexists(path):  # not the copy recover() just put back
+                    shutil.rmtree(path, ignore_errors=True)
 
     def _retain(self, newest: int) -> None:
         if self.keep is None:

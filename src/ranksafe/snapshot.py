@@ -353,9 +353,12 @@ class _Walk:
             return obj.tobytes()
         if isinstance(obj, Mapping):
             try:  # copy.copy keeps the mapping's type (OrderedDict from state_dict(), defaultdict) and attributes
-                return self._mapping(obj, copy.copy(obj))
-            except TypeError:  # an immutable mapping: copy it whole
+                out = copy.copy(obj)
+            except TypeError:
+                out = None
+            if not hasattr(out, "__setitem__"):  # an immutable mapping: copied whole, before a tensor is counted
                 return copy.deepcopy(obj, self.memo)
+            return self._mapping(obj, out)
         if isinstance(obj, tuple):
             items = [self._walk(v) for v in obj]
             return kind(*items) if hasattr(obj, "_fields") else kind(items)
@@ -402,7 +405,12 @@ class _Walk:
             first = len(sources)
             sources.extend(values)
             _slot(len(sources) - 1)  # every slot exists
-            out.update(zip(obj.keys(), slots[first : len(sources)], strict=True))
+            pairs = zip(obj.keys(), slots[first : len(sources)], strict=True)
+            if isinstance(out, dict):
+                out.update(pairs)
+            else:  # another mutable mapping, item by item
+                for k, slot in pairs:
+                    out[k] = slot
             return out
         for k, v in obj.items():
             kind = type(v)
