@@ -732,3 +732,78 @@ def test_an_immutable_mapping_is_copied_whole_and_the_plan_still_holds(monkeypat
         assert torch.equal(snap["w"], state["w"]) and type(snap["config"]) is _Frozen
         assert torch.equal(snap["config"]["a"], frozen["a"]) and snap["config"]["a"] is not frozen["a"]
     assert len(staging._views) == 1 and full_walks[0] == 1  # the plan, then quick walks
+
+
+def test_a_tie_copied_one_by_one_is_still_copied_after_tensors_are_added_before_it():
+    """Tied tensors copied one by one (not contiguous here; every CUDA tensor) were renumbered at the last position
+    and looked up at the first: after two renumbers nothing copied them, and each snapshot held old values."""
+    base, staging, scores = torch.arange(12.0).reshape(3, 4), StagingBuffers(), []
+    for step in range(4):
+        base += 1
+        state = {f"s{i}": s for i, s in enumerate(scores)} | {"w": base.t(), "w_tied": base.t()}
+        want = {k: v.clone() for k, v in state.items()}
+        snap = staging.take(state)
+        assert all(torch.equal(snap[k], want[k]) for k in want), step
+        scores.append(torch.tensor(float(step)))  # a growing list before them, as best_k_models
+
+
+def test_a_plan_renumbered_half_way_is_not_taken_for_the_old_one():
+    """A newcomer whose storage was freed raises while the plan is renumbered; the quick walk then took the next
+    state for the old plan, with the new numbering: wrong shapes, and one tensor's values under another's key."""
+    a, b, staging = torch.tensor([1.0]), torch.arange(100_000, dtype=torch.float32), StagingBuffers()
+    staging.take({"a": a, "b": b})
+    freed = torch.ones(4)
+    freed.untyped_storage().resize_(0)  # as FSDP frees a parameter
+    with pytest.raises(ValueError, match="resized under it"):
+        staging.take({"x": freed, "a": a, "b": b})
+    a += 1
+    b += 1
+    snap = staging.take({"a": a, "b": b})
+    assert torch.equal(snap["a"], a) and torch.equal(snap["b"], b)
+
+
+class _Wrapped(collections.abc.MutableMapping):
+    """A mutable mapping over a dict of its own, without __copy__: copy.copy shares that dict."""
+
+    def __init__(self, items):
+        self._d = dict(items)
+
+    def __getitem__(self, key):
+        return self._d[key]
+
+    def __setitem__(self, key, value):
+        self._d[key] = value
+
+    def __delitem__(self, key):
+        del self._d[key]
+
+    def __iter__(self):
+        return iter(self._d)
+
+    def __len__(self):
+        return len(self._d)
+
+
+def test_mappings_that_refuse_assignment_or_share_their_contents_are_copied_whole():
+    """torch.fx's immutable_dict (a dict that refuses assignment) made every snapshot raise; a mapping whose copy
+    shares its contents had the staged tensors written into the live state."""
+    from torch.fx.immutable_collections import immutable_dict
+
+    t, u = torch.arange(4.0), torch.ones(2)
+    frozen, wrapped = immutable_dict({"a": t, "lr": 0.1}), _Wrapped({"u": u})
+    staging = StagingBuffers()
+    for _ in range(3):
+        snap = staging.take({"cfg": frozen, "m": wrapped, "w": torch.ones(3)})
+        assert type(snap["cfg"]) is immutable_dict and torch.equal(snap["cfg"]["a"], t) and snap["cfg"]["a"] is not t
+        assert wrapped["u"] is u and torch.equal(snap["m"]["u"], u)  # the live mapping untouched
+
+
+def test_an_object_met_again_where_a_loose_tensor_was_is_tied_again():
+    """The quick walk laid out a loose position again whatever it held: a planned tensor there (the same object
+    under two keys) was saved as two storages, where torch.save of the state writes one."""
+    w, staging = torch.randn(100), StagingBuffers()
+    staging.take({"w": w, "score": torch.tensor(0.0)})
+    staging.take({"w": w, "score": torch.tensor(1.0)})  # the score moved: loose
+    assert staging._loose
+    snap = staging.take({"w": w, "score": w})
+    assert snap["score"] is snap["w"] and torch.equal(snap["w"], w)

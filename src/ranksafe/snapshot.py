@@ -21,6 +21,7 @@ import ctypes
 import mmap
 import operator
 import threading
+from collections import UserDict
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -351,14 +352,20 @@ class _Walk:
             return [self._walk(v) for v in obj]
         if kind is memoryview:  # raw bytes (a checkpoint's extra file): deepcopy cannot, a copy of its bytes can
             return obj.tobytes()
-        if isinstance(obj, Mapping):
-            try:  # copy.copy keeps the mapping's type (OrderedDict from state_dict(), defaultdict) and attributes
+        if isinstance(obj, (dict, UserDict)):
+            # copy.copy keeps the mapping's type (OrderedDict from state_dict(), defaultdict) and attributes, and
+            # gives these two kinds contents of their own; one that refuses assignment (torch.fx's immutable_dict)
+            # is copied whole, before any of its tensors is counted
+            try:
                 out = copy.copy(obj)
+                for k in out:
+                    out[k] = out[k]
+                    break
             except TypeError:
-                out = None
-            if not hasattr(out, "__setitem__"):  # an immutable mapping: copied whole, before a tensor is counted
                 return copy.deepcopy(obj, self.memo)
             return self._mapping(obj, out)
+        if isinstance(obj, Mapping):  # another mapping: its copy.copy may share its contents with it (and be
+            return copy.deepcopy(obj, self.memo)  # written into), or refuse assignment: copied whole
         if isinstance(obj, tuple):
             items = [self._walk(v) for v in obj]
             return kind(*items) if hasattr(obj, "_fields") else kind(items)
@@ -520,6 +527,7 @@ class StagingBuffers:
         self._sig: list | None = None
         self._guard: Any = None  # _layout_guard of the planned sources: the quick walk's check
         self._ptrs: list[int] = []  # their addresses, which the guard does not check
+        self._planned_at: frozenset[int] = frozenset()  # the planned addresses, while some tensors are loose
         self._clothes: dict[int, Any] = {}  # and their clothes (Parameter, requires_grad), which it does
         self._loose: set[int] = set()  # tensors copied one by one into the loose area, wherever they are
         self._repeats: list[tuple[int, int]] = []  # (i, j): source i was the very object source j was, not loose
@@ -683,7 +691,12 @@ class StagingBuffers:
                 self._loose = set()
             else:
                 self._loose = new
-                if len(planned) == len(set(found) - {None}) and self._renumber(found, tensors):
+                try:
+                    kept = len(planned) == len(set(found) - {None}) and self._renumber(found, tensors)
+                except BaseException:  # a plan renumbered half-way must not be taken for the old one
+                    self._sig = self._guard = None
+                    raise
+                if kept:
                     self._sig = sig
                     return
         else:
@@ -693,9 +706,12 @@ class StagingBuffers:
     def _renumber(self, found: list[int | None], tensors: list[torch.Tensor]) -> bool:
         """Keep the plan for tensors numbered anew: ``found[i]`` is the planned number of tensor ``i``, None
         for a loose one, which is laid out again; False if those do not fit the loose area."""
-        others = set(self._others)
+        others, first = set(self._others), {}
+        for i, j in enumerate(found):  # tied tensors: copied once, at the first position (as _settle numbers them)
+            if j in others:
+                first.setdefault(j, i)
         self._views = [torch.empty(0) if j is None else self._views[j] for j in found]
-        self._others = list({j: i for i, j in enumerate(found) if j in others}.values())  # tied: copied once
+        self._others = list(first.values())
         return self._lay_loose(tensors)
 
     def _walk(self, state: Any) -> _Walk:
@@ -723,6 +739,7 @@ class StagingBuffers:
         guarded = sources if self._guarded is None else [sources[i] for i in self._guarded]
         self._guard = _layout_guard(guarded) if walk.all_plain else None
         self._ptrs = [0 if i in loose else t.data_ptr() for i, t in enumerate(sources)]
+        self._planned_at = frozenset(self._ptrs) - {0} if loose else frozenset()
         self._clothes = walk.clothes
         return walk
 
@@ -736,7 +753,10 @@ class StagingBuffers:
         if self._guarded is None:
             walk.clothes = self._clothes
             return ptrs == self._ptrs and self._guard.check(*sources)
+        planned_at = self._planned_at
         for i in self._loose:
+            if ptrs[i] in planned_at:  # a planned tensor where a loose one was (the same object twice): tie them
+                return False
             ptrs[i] = 0
         if ptrs != self._ptrs or any(sources[i] is not sources[j] for i, j in self._repeats):
             return False
