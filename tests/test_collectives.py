@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -349,3 +350,47 @@ def test_a_collective_that_only_one_rank_reaches_fails_soon_after_the_other_exit
     assert r1 == "finished"
     assert r0["type"] == "RankFailure" and "rank 1" in r0["msg"] and "ended" in r0["msg"], r0
     assert r0["seconds"] < 10
+
+
+def _fails_then_in_step_with_a_late_rank(rank):
+    """Rank 1 fails alone, catches its error, takes part in an emergency barrier; then both go on in step, and rank
+    0 reaches the next barrier 3 s after rank 1 (it validates longer)."""
+    ranksafe.barrier("warm")
+    try:
+        with ranksafe.abort_on_error():
+            if rank == 1:
+                raise OSError(28, "No space left on device (injected on rank 1)")
+            ranksafe.barrier("next epoch")
+    except ranksafe.RankFailure:
+        pass
+    except OSError:
+        with contextlib.suppress(ranksafe.RankFailure):
+            ranksafe.barrier("emergency")
+    if rank == 0:
+        time.sleep(3)
+    start = time.monotonic()
+    ranksafe.barrier("epoch 2")  # rank 1, present and waiting, is not gone: no failure for its old error
+    return time.monotonic() - start
+
+
+def test_after_the_ranks_fell_out_of_step_and_back_a_late_rank_is_waited_for():
+    """Before: the abort that stood for rank 1 failed the next barrier after the 2 s grace, though rank 1 was
+    there and only rank 0 was late."""
+    waited = run_ranks(_fails_then_in_step_with_a_late_rank, 2, env={"RANKSAFE_TIMEOUT": "20"}, timeout=60).values
+    assert waited[0] < 1 and 2.5 < waited[1] < 10
+
+
+def _every_rank_fails(rank, fail):
+    ranksafe.barrier("warm")
+    if fail:  # a Ctrl-C, or Lightning's on_exception, on every rank
+        collectives.abort(KeyboardInterrupt())
+    return "done"
+
+
+def test_rank_0_does_not_wait_at_exit_for_ranks_that_failed_too():
+    """Before: a rank 0 that had aborted waited 5 s at exit for the next exchange, which no failed rank enters."""
+    clean = run_ranks(_every_rank_fails, 2, args=(False,), timeout=60)
+    failed = run_ranks(_every_rank_fails, 2, args=(True,), timeout=60)
+    assert clean.values == failed.values == ["done", "done"]
+    print(f"clean {clean.elapsed:.1f} s, every rank failed {failed.elapsed:.1f} s")
+    assert failed.elapsed - clean.elapsed < 2.5

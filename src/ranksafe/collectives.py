@@ -26,6 +26,7 @@ import contextlib
 import math
 import os
 import pickle
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -86,8 +87,8 @@ class _Session:
         Under ``mp.spawn`` the store lives in rank 0's process: if rank 0 exited right after the last
         collective, the others would lose the store before reading its result; and a rank 0 that failed alone
         (:func:`abort`) and exited at once left them "lost the rendezvous store" instead of its error. Then it
-        waits, at most the abort grace and a little more, until the ranks waiting in the next exchange have
-        decided it (the abort) and read the result.
+        waits, at most the abort grace and a little more, until every other rank has failed too or exited (each
+        posts that it is gone as it exits: :func:`_drain_at_exit`), having heard of it.
         """
         if self.rank != 0:
             return
@@ -98,13 +99,9 @@ class _Session:
                 time.sleep(0.005)
             if not self.store.check([self.abort_key(0)]):
                 return
-            rank_keys, result_key, read_key = self.keys(self.seq + 1)
+            others = [self.abort_key(r) for r in range(1, self.world)]
             deadline = min(deadline, time.monotonic() + _ABORT_GRACE + 2 * _GRACE)
-            while time.monotonic() < deadline:
-                posted = sum(self.store.check([k]) for k in rank_keys[1:])
-                decided = posted == self.world - 1 and self.store.check([result_key])
-                if decided and self.store.add(read_key, 0) >= posted:
-                    return
+            while not self.store.check(others) and time.monotonic() < deadline:
                 time.sleep(0.01)
 
 
@@ -125,7 +122,24 @@ def _drain_at_exit() -> None:
     if _session is None or not topology.is_distributed() or _session.group_id != id(dist.group.WORLD):
         return  # no ranksafe collective ran in this group: nothing to wait for, and no store request at exit
     _session.drain()
-    _post_failure(Failure(topology.rank(), _EXITED, "the process ended without reaching this collective"), False)
+    if _store_answers(_session.store):
+        _post_failure(Failure(topology.rank(), _EXITED, "the process ended without reaching this collective"), False)
+
+
+def _store_answers(store: dist.Store) -> bool:
+    """Whether the TCP store's server still accepts connections (one plain connect): under ``mp.spawn`` it lives
+    in rank 0's process, and a request to it once rank 0 has exited prints a C++ error trace (c10d's), which
+    Python cannot catch. True for other stores."""
+    while hasattr(store, "underlying_store"):  # PrefixStore
+        store = store.underlying_store
+    host, port = getattr(store, "host", None), getattr(store, "port", None)
+    if not (isinstance(store, dist.TCPStore) and host and port):
+        return True
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
 
 
 def _get_session(timeout: float | None, what: str | None = None) -> _Session | None:
@@ -201,7 +215,7 @@ def _exchange_in(
                     for k in [*old_keys, old_result, old_read]:
                         s.store.delete_key(k)
             else:
-                result = _await_result(s, rank_keys, result_key, timeout)
+                result = _await_result(s, seq, rank_keys, result_key, timeout)
                 s.store.add(read_key, 1)
         except dist.DistError as e:
             lost = (
@@ -231,10 +245,22 @@ def _decide(s: _Session, result_key: str, proposal: tuple[str, Any]) -> tuple[st
     return pickle.loads(s.store.compare_set(result_key, "", pickle.dumps(proposal)))
 
 
+def _aborts(s: _Session) -> list[tuple[int, Failure]]:
+    """The aborts posted now, in rank order: the exchange each rank had reached, and its failure."""
+    keys = [s.abort_key(r) for r in range(s.world)]
+    return [pickle.loads(s.store.get(k)) for k in keys if s.store.check([k])]
+
+
 def _aborted(s: _Session) -> list[Failure]:
     """The failures of the ranks whose abort is posted now, in rank order."""
-    keys = [s.abort_key(r) for r in range(s.world)]
-    return [pickle.loads(s.store.get(k))[1] for k in keys if s.store.check([k])]
+    return [failure for _, failure in _aborts(s)]
+
+
+def _gone(s: _Session, seq: int, rank_keys: list[str]) -> list[Failure]:
+    """The failures of the aborted ranks that exchange ``seq`` waits for in vain: those that did not post to it, and
+    those that failed in it or after it. A rank that failed earlier, caught its error and posted here (the ranks
+    out of step after it, its abort standing) is not gone: a late arrival of the others must not fail on it."""
+    return [f for at, f in _aborts(s) if at >= seq or not s.store.check([rank_keys[f.rank]])]
 
 
 def _clear_stale_aborts(s: _Session, seq: int) -> None:
@@ -286,21 +312,24 @@ def _missing(s: _Session, rank_keys: list[str]) -> list[int]:
 
 def _collect(s: _Session, seq: int, name: str, rank_keys: list[str], result_key: str, reduce, timeout: float):
     """Rank 0's proposal for the result: the reduced values, or why there are none."""
-    state = _wait_for(s, rank_keys, timeout, decided=result_key)
+    deadline = time.monotonic() + timeout
+    while (state := _wait_for(s, rank_keys, max(0.0, deadline - time.monotonic()), result_key)) == "aborted":
+        gone = _gone(s, seq, rank_keys)
+        if gone:
+            return "abort", gone
     if state == "decided":
         return "decided", None  # never written: _decide returns the result already there
     if state == "timeout":
         return "timeout", _missing(s, rank_keys)
-    if state == "aborted":
-        return "abort", _aborted(s)
     posted = [pickle.loads(b) for b in s.store.multi_get(rank_keys)]
     names = {n for n, _ in posted}
     if len(names) > 1:
         # A rank that failed alone, caught its error and went on posts its next collective where the others still
-        # wait in theirs: its failure is the cause, the mismatch only its symptom. Its abort stands: the ranks are
-        # out of step, and a later exchange missing it gives up after the grace instead of the timeout.
-        aborted = _aborted(s)
-        return ("abort", aborted) if aborted else ("mismatch", {r: n for r, (n, _) in enumerate(posted)})
+        # wait in theirs: its failure (posted since the exchange before this one) is the cause, the mismatch only
+        # its symptom. Its abort stands: the ranks are out of step, and a later exchange it misses gives up after
+        # the grace instead of the timeout.
+        fresh = [f for at, f in _aborts(s) if at >= seq - 1]
+        return ("abort", fresh) if fresh else ("mismatch", {r: n for r, (n, _) in enumerate(posted)})
     _clear_stale_aborts(s, seq)
     try:
         return "ok", reduce([v for _, v in posted])
@@ -308,12 +337,13 @@ def _collect(s: _Session, seq: int, name: str, rank_keys: list[str], result_key:
         return "error", Failure.from_exception(0, e)
 
 
-def _await_result(s: _Session, rank_keys: list[str], result_key: str, timeout: float):
+def _await_result(s: _Session, seq: int, rank_keys: list[str], result_key: str, timeout: float):
     """A non-main rank's result: rank 0's, or, if this rank gives up first, its own verdict, written for all.
 
     An abort that no longer stands when the grace ends was withdrawn by rank 0, which does that only once every
     rank has posted to this very exchange: its result is on the way, so this rank waits one more grace for it
-    (then it names rank 0 as missing), instead of deciding an abort that names no rank.
+    (then it names rank 0 as missing), instead of deciding an abort that names no rank. An abort that stands for
+    a rank that is here (:func:`_gone`) changes nothing: the wait goes on.
     """
     deadline = time.monotonic() + timeout + _GRACE
     while True:
@@ -322,10 +352,11 @@ def _await_result(s: _Session, rank_keys: list[str], result_key: str, timeout: f
             return pickle.loads(s.store.get(result_key))
         if state != "aborted":
             return _decide(s, result_key, ("timeout", _missing(s, rank_keys) or [0]))
-        failures = _aborted(s)
+        failures = _gone(s, seq, rank_keys)
         if failures:
             return _decide(s, result_key, ("abort", failures))
-        deadline = min(deadline, time.monotonic() + _ABORT_GRACE)
+        if not _aborted(s):
+            deadline = min(deadline, time.monotonic() + _ABORT_GRACE)
 
 
 def exchange(
