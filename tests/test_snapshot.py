@@ -762,26 +762,14 @@ def test_a_plan_renumbered_half_way_is_not_taken_for_the_old_one():
     assert torch.equal(snap["a"], a) and torch.equal(snap["b"], b)
 
 
-class _Wrapped(collections.abc.MutableMapping):
+class _Wrapped(_Frozen, collections.abc.MutableMapping):
     """A mutable mapping over a dict of its own, without __copy__: copy.copy shares that dict."""
 
-    def __init__(self, items):
-        self._d = dict(items)
-
-    def __getitem__(self, key):
-        return self._d[key]
-
     def __setitem__(self, key, value):
-        self._d[key] = value
+        self._items[key] = value
 
     def __delitem__(self, key):
-        del self._d[key]
-
-    def __iter__(self):
-        return iter(self._d)
-
-    def __len__(self):
-        return len(self._d)
+        del self._items[key]
 
 
 def test_mappings_that_refuse_assignment_or_share_their_contents_are_copied_whole():
