@@ -251,11 +251,6 @@ def _aborts(s: _Session) -> list[tuple[int, Failure]]:
     return [pickle.loads(s.store.get(k)) for k in keys if s.store.check([k])]
 
 
-def _aborted(s: _Session) -> list[Failure]:
-    """The failures of the ranks whose abort is posted now, in rank order."""
-    return [failure for _, failure in _aborts(s)]
-
-
 def _gone(s: _Session, seq: int, rank_keys: list[str]) -> list[Failure]:
     """The failures of the aborted ranks that exchange ``seq`` waits for in vain: those that did not post to it, and
     those that failed in it or after it. A rank that failed earlier, caught its error and posted here (the ranks
@@ -355,7 +350,7 @@ def _await_result(s: _Session, seq: int, rank_keys: list[str], result_key: str, 
         failures = _gone(s, seq, rank_keys)
         if failures:
             return _decide(s, result_key, ("abort", failures))
-        if not _aborted(s):
+        if not _aborts(s):  # withdrawn: rank 0's result is on the way
             deadline = min(deadline, time.monotonic() + _ABORT_GRACE)
 
 
