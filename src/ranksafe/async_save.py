@@ -30,8 +30,9 @@ import torch
 from . import topology
 from .collectives import share_outcome, together
 from .errors import BarrierTimeout, CollectiveMismatch
-from .files import atomic_save, make_dirs
+from .files import atomic_save, local_path, make_dirs
 from .saving import Writer, error_naming_target, is_writer
+from .sharded import refuse_sharded
 from .snapshot import Captured, StagingBuffers, StateDictLock
 
 Policy = Literal["wait", "skip"]
@@ -187,7 +188,7 @@ class AsyncSaver:
         not a writer or the ``"skip"`` policy dropped this checkpoint. The answer is this rank's only:
         never branch into a collective on it. The parent directory is created if needed.
         """
-        path = os.fspath(path)
+        path = local_path(path)
 
         def write(snapshot: Any) -> str:
             try:
@@ -205,6 +206,8 @@ class AsyncSaver:
         atomically itself. Its return value goes to ``on_commit``. Same return value as :meth:`save`.
         """
         self._not_from_writer_thread("submit")
+        if self.writer != "all":  # on every rank, before the writers are picked: every rank raises alike
+            refuse_sharded(state, self.name)
         if not is_writer(self.writer):
             return False
         callbacks = [cb for cb in (self.on_commit, on_commit) if cb is not None]
@@ -323,8 +326,10 @@ class AsyncSaver:
         A directory that cannot be created (a file in the way), a missing permission, or a disk without
         room for one checkpoint fails here, on every rank, instead of at the first checkpoint.
         """
-        directory = os.fspath(directory)
+        directory = local_path(directory)
         with together(f"{self.name}: warmup {directory}"):
+            if self.writer != "all":
+                refuse_sharded(example_state, f"{self.name}: warmup {directory}")
             if is_writer(self.writer):
                 self.wait()
                 self._worker.start()  # the first save does not pay for starting the writer thread

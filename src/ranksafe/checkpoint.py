@@ -40,8 +40,18 @@ from . import topology
 from .async_save import AsyncSaver
 from .collectives import exchange, share_outcome, together
 from .errors import BarrierTimeout, CollectiveMismatch, CorruptCheckpoint, Failure, rank_failure
-from .files import TMP_SUFFIX, ChecksummingWriter, atomic_write, fsync_dir, load_file, make_dirs, save_with_footer
+from .files import (
+    TMP_SUFFIX,
+    ChecksummingWriter,
+    atomic_write,
+    fsync_dir,
+    load_file,
+    local_path,
+    make_dirs,
+    save_with_footer,
+)
 from .saving import error_naming_target
+from .sharded import refuse_sharded
 from .snapshot import StateDictLock
 from .storage import Placement, Storage, placement
 
@@ -192,7 +202,7 @@ def verify_step(step_dir: str | os.PathLike, deep: bool = True) -> dict[str, Any
     Raises :class:`CorruptCheckpoint` naming the first bad file (missing, wrong size, or with ``deep``
     wrong CRC32), and ``FileNotFoundError`` when the directory does not exist. Local, no collectives.
     """
-    step_dir = os.fspath(step_dir)
+    step_dir = local_path(step_dir)
     manifest = read_manifest(step_dir)
     for rel, meta in manifest["files"].items():
         path = os.path.join(step_dir, *rel.split("/"))
@@ -230,7 +240,7 @@ def list_steps(root: str | os.PathLike, prefix: str = "step_", deep: bool = Fals
 
     A step that disappears while it is being looked at (retention, a commit renaming it) is left out.
     """
-    root = os.fspath(root)
+    root = local_path(root)
     pattern = _step_pattern(prefix)
     out = []
     for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
@@ -328,7 +338,7 @@ class CheckpointManager:
         check_name(prefix + "0", "step prefix")
         if storage not in ("auto", "shared", "local"):
             raise ValueError(f"storage must be 'auto', 'shared' or 'local', not {storage!r}")
-        self.root = os.path.abspath(os.fspath(root))
+        self.root = os.path.abspath(local_path(root))
         self.keep, self.storage, self.prefix, self.timeout = keep, storage, prefix, timeout
         self.loaded_step: int | None = None  # the step the last load() returned (after any fallback)
         self._loading: set[int] = set()
@@ -384,6 +394,7 @@ class CheckpointManager:
             self.check()  # a failed background commit stops every rank here, not a step later
         commit = AtomicDir(self.step_dir(step))
         with together(f"checkpoint {step}: create", self.timeout):
+            refuse_sharded(writer_files, f"checkpoint {step}")  # every rank: the writers write theirs whole
             if where.writer:
                 self._clean_debris()
                 commit.create()

@@ -22,11 +22,13 @@ import ctypes
 import errno
 import os
 import pickle
+import re
 import secrets
 import socket
 import struct
 import threading
 import time
+import urllib.parse
 import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +36,7 @@ from typing import IO, Any
 
 import torch
 
+from . import topology
 from .errors import CorruptCheckpoint, UntrustedCheckpoint
 
 TMP_SUFFIX = ".ranksafe-tmp"
@@ -45,6 +48,32 @@ _ZIP_START, _EOCD, _EOCD_SIZE = b"PK\x03\x04", b"PK\x05\x06", 22
 _MAX_COMMENT = 0xFFFF  # a zip's end record may be followed by a comment this long (torch writes none)
 # torch's legacy (pre-zip) format opens with a pickled magic number: protocol 2, then a LONG1 of 10 bytes
 _LEGACY_START = b"\x80\x02\x8a\x0a"
+
+
+# "s3://bucket/x", and what pathlib makes of it ("s3:/bucket/x"); one letter before the colon is a Windows drive
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:/")
+
+
+def local_path(path: str | os.PathLike) -> str:
+    """``path`` as a local file-system path: a ``file://`` URL becomes its path; any other URL raises ValueError.
+
+    A URL taken for a relative path (``s3://bucket/x`` is ``./s3:/bucket/x`` to ``open``) would "succeed" on a
+    node's disk while the user believes the checkpoint is in the bucket. Every rank validates the same argument,
+    so every rank raises, before any collective.
+    """
+    path = os.fspath(path)
+    if isinstance(path, bytes):
+        path = os.fsdecode(path)
+    if path.startswith("file:/"):  # file:///x, or file:/x as pathlib leaves it
+        parsed = urllib.parse.urlparse(path)
+        if parsed.netloc in ("", "localhost"):
+            return urllib.parse.unquote(parsed.path)
+    if _URL.match(path):
+        raise ValueError(
+            f"{path} (rank {topology.rank()}) is a URL: ranksafe reads and writes local paths only "
+            "(a local directory, or a mount of shared storage); it would have written a local folder named after it"
+        )
+    return path
 
 
 def _host_tag() -> str:
@@ -102,7 +131,7 @@ def make_dirs(directory: str | os.PathLike) -> str:
     """``os.makedirs(directory, exist_ok=True)``, returning the absolute path, with a clear error where a file
     stands in the way: ``NotADirectoryError`` naming that file (``os.makedirs`` says "File exists", which reads
     as if the target itself existed)."""
-    directory = os.path.abspath(os.fspath(directory))
+    directory = os.path.abspath(local_path(directory))
     try:
         os.makedirs(directory, exist_ok=True)
     except (FileExistsError, NotADirectoryError) as e:
@@ -253,7 +282,7 @@ class AtomicFile:
     """
 
     def __init__(self, target: str | os.PathLike):
-        self.target = os.path.abspath(os.fspath(target))
+        self.target = os.path.abspath(local_path(target))
         self.directory, self.name = os.path.split(self.target)
         self.tmp: str | None = None
         self._file: IO[bytes] | None = None
@@ -414,7 +443,7 @@ def verify_file(path: str | os.PathLike) -> bool:
     :class:`CorruptCheckpoint` for a mismatch, a partial footer or a zip archive cut short, and
     ``FileNotFoundError`` / ``IsADirectoryError`` as ``open`` does.
     """
-    path = os.fspath(path)
+    path = local_path(path)
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size == 0:
@@ -474,7 +503,7 @@ def load_file(
     unless the user set ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``), as Lightning and torch do. Truncated, bit-flipped
     or foreign files raise :class:`CorruptCheckpoint` naming the path.
     """
-    path = os.fspath(path)
+    path = local_path(path)
     if os.path.isdir(path):
         raise IsADirectoryError(f"{path} is a directory, not a checkpoint file")
     if verify:

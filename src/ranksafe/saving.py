@@ -12,7 +12,8 @@ from typing import Any, Literal
 
 from . import topology
 from .collectives import barrier, together
-from .files import atomic_save, load_file, make_dirs
+from .files import atomic_save, load_file, local_path, make_dirs
+from .sharded import refuse_sharded
 
 Writer = Literal["main", "local", "all"]
 
@@ -50,10 +51,14 @@ def save(obj: Any, path: str | os.PathLike, writer: Writer = "main", **torch_sav
 
     The writer creates the parent directory and commits the file atomically; non-writers touch no file.
     A failed write raises :class:`RankFailure` on every rank (also an instance of the original error type
-    when it is a built-in one, e.g. ``PermissionError``). Returns the path on every rank.
+    when it is a built-in one, e.g. ``PermissionError``). Returns the path on every rank. Sharded tensors (a
+    ``DTensor`` sharded across ranks) need ``writer="all"`` and a path per rank: one writer would keep its own
+    shards only, so every rank raises ``ValueError`` instead.
     """
-    path = os.fspath(path)
+    path = local_path(path)
     with together("save", what=f"save {path}"):
+        if writer != "all":
+            refuse_sharded(obj, f"save {path}")
         if is_writer(writer):
             try:
                 make_dirs(os.path.dirname(os.path.abspath(path)))
@@ -79,7 +84,7 @@ def load(
     :func:`~ranksafe.files.load_file`: ``None`` leaves the choice to ``torch.load``; ``verify=False`` skips the
     footer's checksum.
     """
-    path = os.fspath(path)
+    path = local_path(path)
     barrier("load", what=f"load {path}")
     result = None
     with together("load", what=f"load {path}"):
@@ -97,7 +102,7 @@ def prepare_dir(path: str | os.PathLike, overwrite: bool = False, writer: Writer
     ``overwrite`` is set, and creates it. A non-empty directory without ``overwrite`` raises
     ``FileExistsError`` on every rank. All ranks return together, after the directory exists.
     """
-    path = os.fspath(path)
+    path = local_path(path)
     with together("prepare_dir", what=f"prepare_dir {path}"):
         if is_writer(writer):
             if os.path.isdir(path) and os.listdir(path):

@@ -25,7 +25,7 @@ from typing import Literal
 from . import topology
 from .collectives import exchange
 from .errors import Failure, rank_failure
-from .files import make_dirs
+from .files import local_path, make_dirs
 
 Storage = Literal["auto", "shared", "local"]
 Kind = Literal["shared", "local", "mixed"]
@@ -68,7 +68,7 @@ def placement(directory: str | os.PathLike, storage: Storage = "auto", timeout: 
         raise ValueError(f"storage must be 'auto', 'shared' or 'local', not {storage!r}")
     if topology.world_size() == 1:
         return Placement("shared", True, None)
-    key = (os.path.abspath(os.fspath(directory)), _group_key())
+    key = (os.path.abspath(local_path(directory)), _group_key())
     if key not in _cache:
         _cache[key] = _from_groups(probe(directory, timeout))
     return _cache[key]
@@ -91,7 +91,7 @@ def probe(directory: str | os.PathLike, timeout: float | None = None) -> dict[in
     then remove their token); every rank lists the directory once. Where no local main can write (a read-only
     mount, to load from), the listings are compared instead (:func:`_compare_listings`).
     """
-    directory = os.path.abspath(os.fspath(directory))
+    directory = os.path.abspath(local_path(directory))
     node, me = topology.node_rank(), topology.rank()
     token, path, failure, read_only = None, None, None, False
     if topology.is_local_main():

@@ -1,0 +1,126 @@
+"""Two inputs that used to "succeed" somewhere else than asked: a URL written as a local folder, and a sharded
+DTensor saved as one rank's shard. Both are now a clear error on every rank, before anything is written."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import ranksafe
+from ranksafe.files import local_path
+from tests.ranks import run_ranks
+
+URLS = ["s3://bucket/run/model.pth", "memory://run/model.pth", "gs://bucket/model.pth", "hf://org/model.pth"]
+
+
+@pytest.mark.parametrize("url", [*URLS, Path("s3://bucket/run/model.pth")], ids=str)
+def test_a_url_is_refused_and_no_local_folder_named_after_it_appears(tmp_path, monkeypatch, url):
+    monkeypatch.chdir(tmp_path)
+    # the control: the pattern ranksafe had (make the parent, then save) "succeeds" into a local folder
+    control = tmp_path / "control"
+    control.mkdir()
+    monkeypatch.chdir(control)
+    os.makedirs(os.path.dirname(os.fspath(url)), exist_ok=True)
+    torch.save({"w": torch.ones(2)}, os.fspath(url))
+    assert os.listdir(control) == [os.fspath(url).split(":")[0] + ":"], "the control must write a local folder"
+    monkeypatch.chdir(tmp_path)
+    before = sorted(os.listdir(tmp_path))
+    calls = [
+        lambda: ranksafe.save({"w": torch.ones(2)}, url),
+        lambda: ranksafe.load(url),
+        lambda: ranksafe.prepare_dir(url),
+        lambda: ranksafe.atomic_save({"w": torch.ones(2)}, url),
+        lambda: ranksafe.CheckpointManager(url),
+        lambda: ranksafe.AsyncSaver().save({"w": torch.ones(2)}, url),
+        lambda: ranksafe.verify_file(url),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match=r"is a URL: ranksafe reads and writes local paths only"):
+            call()
+    assert sorted(os.listdir(tmp_path)) == before, "nothing may be written under the working directory"
+
+
+def test_file_urls_are_local_paths(tmp_path):
+    target = tmp_path / "a b" / "model.pth"
+    ranksafe.save({"w": torch.ones(2)}, f"file://{target}")
+    assert torch.equal(ranksafe.load(target.as_uri())["w"], torch.ones(2))
+    assert local_path(Path(f"file://{target}")) == str(target)  # pathlib's "file:/..." too
+    assert local_path("C:/data/x.pth") == "C:/data/x.pth"  # a drive letter is no scheme
+
+
+def _url_on_every_rank(rank, url, root):
+    os.chdir(root)
+    outcome = {}
+    for name, call in (
+        ("save", lambda: ranksafe.save({"w": torch.ones(2)}, url)),
+        ("manager", lambda: ranksafe.CheckpointManager(url).save(1, {"w": torch.ones(2)})),
+        ("load", lambda: ranksafe.load(url)),
+    ):
+        try:
+            call()
+            outcome[name] = "saved"
+        except ValueError as e:
+            outcome[name] = f"ValueError: {e}"
+    ranksafe.barrier("after")  # the ranks are still in step: nothing was half-done
+    return outcome
+
+
+def test_a_url_fails_every_rank_at_once(tmp_path):
+    values = run_ranks(_url_on_every_rank, 2, args=("s3://bucket/run", str(tmp_path)), timeout=60).values
+    for rank, outcome in enumerate(values):
+        for name, said in outcome.items():
+            assert said.startswith("ValueError: s3://bucket/run"), (rank, name, said)
+            assert f"(rank {rank})" in said
+    assert os.listdir(tmp_path) == []
+
+
+# --- sharded DTensors ---------------------------------------------------------------------------------
+
+
+def _sharded(rank, root):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (4,))
+    full = torch.arange(32, dtype=torch.float32).reshape(8, 4)
+    w = distribute_tensor(full, mesh, [Shard(0)])
+    out = {}
+    # the control: rank 0 writes the state as torch.save sees it, which keeps rank 0's two rows only
+    if rank == 0:
+        torch.save({"w": w}, os.path.join(root, "naive.pt"))
+    ranksafe.barrier("naive written")
+    naive = torch.load(os.path.join(root, "naive.pt"), weights_only=False)["w"]
+    out["naive rows"] = naive.to_local().shape[0]
+    manager = ranksafe.CheckpointManager(os.path.join(root, "ckpt"))
+    for name, call in (
+        ("manager", lambda: manager.save(1, {"model": {"w": w}, "epoch": 3})),
+        ("save", lambda: ranksafe.save({"w": w}, os.path.join(root, "model.pt"))),
+        ("async", lambda: ranksafe.AsyncSaver().save({"w": w}, os.path.join(root, "async.pt"))),
+    ):
+        try:
+            call()
+            out[name] = "saved"
+        except ValueError as e:  # RankFailure[ValueError] for the collectives, ValueError for the local call
+            out[name] = f"{type(e).__name__}: {e}"
+    out["latest"] = manager.latest()
+    # per-rank shards stay possible: every rank writes its own
+    manager.save(2, {"w": w}, sharded=True)
+    out["own shard"] = manager.load(2, sharded=True, weights_only=False)["w"].to_local().tolist()
+    out["expected shard"] = w.to_local().tolist()
+    return out
+
+
+def test_a_sharded_dtensor_is_refused_on_every_rank_not_saved_as_one_shard(tmp_path):
+    values = run_ranks(_sharded, 4, args=(str(tmp_path),), timeout=120).values
+    for rank, out in enumerate(values):
+        assert out["naive rows"] == 2, "the control must show one rank's shard only: 2 of 8 rows"
+        for name in ("manager", "save", "async"):
+            said = out[name]
+            assert "sharded DTensors ('" in said and "Shard(dim=0)" in said, (rank, name, said)
+        assert "RankFailure[ValueError]" in out["manager"] and "ranks 0, 1, 2, 3" in out["manager"]
+        assert out["latest"] is None, "no step may be committed"
+        assert out["own shard"] == out["expected shard"]
+    assert not os.path.exists(tmp_path / "model.pt") and not os.path.exists(tmp_path / "async.pt")
