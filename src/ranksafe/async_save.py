@@ -17,7 +17,6 @@ import errno
 import functools
 import multiprocessing.util
 import os
-import shutil
 import sys
 import threading
 import weakref
@@ -25,12 +24,10 @@ from collections.abc import Callable, Iterable
 from queue import SimpleQueue
 from typing import Any, Literal
 
-import torch
-
-from . import topology
+from . import remote, topology
 from .collectives import share_outcome, together
 from .errors import BarrierTimeout, CollectiveMismatch
-from .files import atomic_save, local_path, make_dirs
+from .files import atomic_save, local_path, make_dirs, probe_write
 from .saving import Writer, error_naming_target, is_writer
 from .sharded import refuse_sharded
 from .snapshot import Captured, StagingBuffers, StateDictLock
@@ -186,14 +183,18 @@ class AsyncSaver:
 
         Returns once the snapshot is taken: ``True`` when this rank queued a write, ``False`` when it is
         not a writer or the ``"skip"`` policy dropped this checkpoint. The answer is this rank's only:
-        never branch into a collective on it. The parent directory is created if needed.
+        never branch into a collective on it. The parent directory is created if needed. ``path`` may be a URL
+        of remote storage (``storage_options=`` for its file system, among the keyword arguments).
         """
-        path = local_path(path)
+        storage_options = torch_save_kwargs.pop("storage_options", None)
+        url = remote.is_url(path)
+        path = remote.Remote.of(path, storage_options).url if url else local_path(path)
 
         def write(snapshot: Any) -> str:
             try:
-                make_dirs(os.path.dirname(os.path.abspath(path)))
-                return atomic_save(snapshot, path, **torch_save_kwargs)
+                if not url:
+                    make_dirs(os.path.dirname(os.path.abspath(path)))
+                return atomic_save(snapshot, path, storage_options=storage_options, **torch_save_kwargs)
             except OSError as e:
                 raise error_naming_target(e, "cannot save", path) from e
 
@@ -320,13 +321,17 @@ class AsyncSaver:
             if self._failure[0] is None:
                 self._failure[0] = err
 
-    def warmup(self, example_state: Any, directory: str | os.PathLike) -> None:
+    def warmup(
+        self, example_state: Any, directory: str | os.PathLike, storage_options: dict[str, Any] | None = None
+    ) -> None:
         """Allocate the staging buffers and try a write in ``directory`` before training; collective.
 
-        A directory that cannot be created (a file in the way), a missing permission, or a disk without
-        room for one checkpoint fails here, on every rank, instead of at the first checkpoint.
+        A directory that cannot be created (a file in the way), a missing permission, a disk without room for one
+        checkpoint, or a URL that cannot be written (no bucket, no credentials) fails here, on every rank, instead
+        of at the first checkpoint.
         """
-        directory = local_path(directory)
+        url = remote.is_url(directory)
+        directory = remote.Remote.of(directory, storage_options).url if url else local_path(directory)
         with together(f"{self.name}: warmup {directory}"):
             if self.writer != "all":
                 refuse_sharded(example_state, f"{self.name}: warmup {directory}")
@@ -340,14 +345,10 @@ class AsyncSaver:
                         with self.lock.read():
                             self.staging.capture(example_state)
                 try:
-                    make_dirs(directory)
-                    probe = os.path.join(directory, f".ranksafe-warmup-{topology.rank()}")
-                    atomic_save(torch.zeros(1024), probe)
-                    os.unlink(probe)
-                    free = shutil.disk_usage(directory).free
+                    free = probe_write(directory, storage_options)
                 except OSError as e:
                     raise error_naming_target(e, "cannot write checkpoints to", directory) from e
-                if free < self.staging.nbytes:
+                if free is not None and free < self.staging.nbytes:
                     raise OSError(
                         errno.ENOSPC,
                         f"{directory} (rank {topology.rank()}) has {free} bytes free, "

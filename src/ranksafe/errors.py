@@ -9,15 +9,24 @@ from __future__ import annotations
 
 import builtins
 import os
+import pickle
 from dataclasses import dataclass
 from functools import cache
 
 
 class RankSafeError(Exception):
-    """Base class of every error ranksafe defines."""
+    """Base class of every error ranksafe defines.
+
+    Each one also subclasses what the stock call raises for the same cause, so that ``except`` clauses written
+    for stock PyTorch keep working: :class:`CorruptCheckpoint` is a ``RuntimeError`` and a
+    ``pickle.UnpicklingError`` (what ``torch.load`` raises on a damaged zip archive, and on bytes that are no
+    pickle), :class:`UntrustedCheckpoint` a ``pickle.UnpicklingError`` (``torch.load(weights_only=True)``), and
+    :class:`RankFailure` a ``RuntimeError`` (what a rank that waits for a failed one gets from the backend:
+    a timeout or a closed connection), also an ``OSError`` when the rank that failed raised one.
+    """
 
 
-class CorruptCheckpoint(RankSafeError):
+class CorruptCheckpoint(RankSafeError, RuntimeError, pickle.UnpicklingError):
     """A checkpoint file exists but cannot be read back: truncated, bit-flipped, or not a checkpoint."""
 
     def __init__(self, path: str | os.PathLike, reason: str):
@@ -26,7 +35,7 @@ class CorruptCheckpoint(RankSafeError):
         super().__init__(f"corrupt checkpoint {self.path}: {reason}")
 
 
-class UntrustedCheckpoint(RankSafeError):
+class UntrustedCheckpoint(RankSafeError, pickle.UnpicklingError):
     """A checkpoint holds pickled objects and was loaded with ``weights_only=True``.
 
     Loading arbitrary pickles runs code; ranksafe only does it when the caller opts in explicitly.
@@ -68,7 +77,7 @@ class Failure:
         return f"rank {self.rank}: {self.short_type}: {self.message}"
 
 
-class RankFailure(RankSafeError):
+class RankFailure(RankSafeError, RuntimeError):
     """Raised on every rank when any rank failed inside a shared section (a save, a load, ``together``).
 
     ``failures`` lists each failed rank with its exception type and message. On the rank that failed,

@@ -20,15 +20,15 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import io
 import os
 import pickle
-import re
 import secrets
+import shutil
 import socket
 import struct
 import threading
 import time
-import urllib.parse
 import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -36,7 +36,7 @@ from typing import IO, Any
 
 import torch
 
-from . import topology
+from . import remote, topology
 from .errors import CorruptCheckpoint, UntrustedCheckpoint
 
 TMP_SUFFIX = ".ranksafe-tmp"
@@ -50,28 +50,19 @@ _MAX_COMMENT = 0xFFFF  # a zip's end record may be followed by a comment this lo
 _LEGACY_START = b"\x80\x02\x8a\x0a"
 
 
-# "s3://bucket/x", and what pathlib makes of it ("s3:/bucket/x"); one letter before the colon is a Windows drive
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:/")
-
-
 def local_path(path: str | os.PathLike) -> str:
     """``path`` as a local file-system path: a ``file://`` URL becomes its path; any other URL raises ValueError.
 
-    A URL taken for a relative path (``s3://bucket/x`` is ``./s3:/bucket/x`` to ``open``) would "succeed" on a
-    node's disk while the user believes the checkpoint is in the bucket. Every rank validates the same argument,
-    so every rank raises, before any collective.
+    For the calls that only work on a local file system (directory commits, storage probes). A URL taken for a
+    relative path (``s3://bucket/x`` is ``./s3:/bucket/x`` to ``open``) would "succeed" on a node's disk while
+    the user believes the checkpoint is in the bucket. Every rank validates the same argument, so every rank
+    raises, before any collective.
     """
-    path = os.fspath(path)
-    if isinstance(path, bytes):
-        path = os.fsdecode(path)
-    if path.startswith("file:/"):  # file:///x, or file:/x as pathlib leaves it
-        parsed = urllib.parse.urlparse(path)
-        if parsed.netloc in ("", "localhost"):
-            return urllib.parse.unquote(parsed.path)
-    if _URL.match(path):
+    scheme, path = remote.split(path)
+    if scheme is not None:
         raise ValueError(
-            f"{path} (rank {topology.rank()}) is a URL: ranksafe reads and writes local paths only "
-            "(a local directory, or a mount of shared storage); it would have written a local folder named after it"
+            f"{path} (rank {topology.rank()}) is a URL: this call reads and writes local paths only "
+            "(a local directory, or a mount of shared storage)"
         )
     return path
 
@@ -333,12 +324,21 @@ class AtomicFile:
 
 
 @contextlib.contextmanager
-def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
+def atomic_write(
+    path: str | os.PathLike, mode: str = "wb", storage_options: dict[str, Any] | None = None
+) -> Iterator[IO]:
     """Open ``path`` for writing so that it appears complete or not at all.
 
-    Local (no collectives): call it on the writer rank only, or use :func:`ranksafe.save`. On any
-    exception the target is untouched and the temporary file is removed.
+    No collectives: call it on the writer rank only, or use :func:`ranksafe.save`. On any exception the target is
+    untouched and the temporary file is removed. ``path`` may be a URL of remote storage (binary mode;
+    ``storage_options`` for its file system): see :func:`ranksafe.remote.commit_object`.
     """
+    if remote.is_url(path):
+        if mode != "wb":
+            raise ValueError(f"atomic_write of a URL opens it in binary mode ('wb'), not {mode!r}")
+        with remote.commit_object(remote.Remote.of(path, storage_options)) as f:
+            yield f
+        return
     commit = AtomicFile(path)
     f = commit.open(mode)
     try:
@@ -427,49 +427,77 @@ def save_with_footer(obj: Any, f: IO[bytes] | ChecksummingWriter, **torch_save_k
         f.write(w.footer())
 
 
-def atomic_save(obj: Any, path: str | os.PathLike, **torch_save_kwargs: Any) -> str:
-    """``torch.save`` ``obj`` to ``path`` atomically, with an integrity footer (:func:`save_with_footer`). Local,
-    no collectives."""
-    with atomic_write(path) as f:
+def atomic_save(
+    obj: Any, path: str | os.PathLike, storage_options: dict[str, Any] | None = None, **torch_save_kwargs: Any
+) -> str:
+    """``torch.save`` ``obj`` to ``path`` atomically, with an integrity footer (:func:`save_with_footer`). No
+    collectives. ``path`` may be a URL of remote storage (``storage_options`` for its file system)."""
+    with atomic_write(path, storage_options=storage_options) as f:
         save_with_footer(obj, f, **torch_save_kwargs)
-    return os.fspath(path)
+    return remote.split(path)[1]
 
 
-def verify_file(path: str | os.PathLike) -> bool:
+def probe_write(directory: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> int | None:
+    """Write and remove a small checkpoint in ``directory`` (created if needed); return the bytes free there, or
+    None on remote storage (a URL). Raises what the write raised: a missing permission, a file in the way, a
+    bucket that does not exist. No collectives."""
+    probe = torch.zeros(1024)
+    if remote.is_url(directory):
+        target = remote.Remote.of(directory, storage_options).child(f".ranksafe-probe-{secrets.token_hex(4)}")
+        atomic_save(probe, target.url, storage_options)
+        target.remove()
+        return None
+    directory = make_dirs(directory)
+    path = os.path.join(directory, f".ranksafe-probe-{secrets.token_hex(4)}")
+    atomic_save(probe, path)
+    os.unlink(path)
+    return shutil.disk_usage(directory).free
+
+
+def verify_file(path: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> bool:
     """Check the integrity of a checkpoint file without unpickling it.
 
     Returns True when the ranksafe footer matches the content, False for a complete file without one
     (written by stock ``torch.save``: only its zip structure can be checked, by the load). Raises
     :class:`CorruptCheckpoint` for a mismatch, a partial footer or a zip archive cut short, and
-    ``FileNotFoundError`` / ``IsADirectoryError`` as ``open`` does.
+    ``FileNotFoundError`` / ``IsADirectoryError`` as ``open`` does. ``path`` may be a URL (the object is read).
     """
+    if remote.is_url(path):
+        target = remote.Remote.of(path, storage_options)
+        return _verify(io.BytesIO(target.read()), target.url)
     path = local_path(path)
     with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
-            raise CorruptCheckpoint(path, "the file is empty")
-        first = f.read(4)
-        f.seek(max(0, size - _FOOTER.size))
-        tail = f.read(_FOOTER.size)
-        if len(tail) < _FOOTER.size or tail[:8] != _MAGIC or tail[-4:] != _VERSION:
-            # No footer. A zip (torch's format) must then end with its end-of-central-directory record;
-            # anything else is a ranksafe file whose footer was cut, or a zip cut short.
-            if first == _ZIP_START and not _ends_a_zip(f, size):
-                raise CorruptCheckpoint(path, "the file is truncated (no end of archive, no ranksafe footer)")
-            return False
-        _, length, crc, _ = _FOOTER.unpack(tail)
-        if length != size - _FOOTER.size:
-            raise CorruptCheckpoint(path, f"size is {size - _FOOTER.size} bytes, the footer says {length}")
-        if first not in (_ZIP_START, _LEGACY_START):  # a footer alone, or one under something else
-            raise CorruptCheckpoint(path, "a ranksafe footer, but no torch checkpoint before it")
-        f.seek(0)
-        actual, left = 0, length
-        while left:
-            chunk = f.read(min(_CHUNK, left))
-            if not chunk:
-                raise CorruptCheckpoint(path, "file ended early")
-            actual = zlib.crc32(chunk, actual)
-            left -= len(chunk)
+        return _verify(f, path)
+
+
+def _verify(f: IO[bytes], path: str) -> bool:
+    """:func:`verify_file` of an open, seekable file."""
+    size = f.seek(0, os.SEEK_END)
+    if size == 0:
+        raise CorruptCheckpoint(path, "the file is empty")
+    f.seek(0)
+    first = f.read(4)
+    f.seek(max(0, size - _FOOTER.size))
+    tail = f.read(_FOOTER.size)
+    if len(tail) < _FOOTER.size or tail[:8] != _MAGIC or tail[-4:] != _VERSION:
+        # No footer. A zip (torch's format) must then end with its end-of-central-directory record;
+        # anything else is a ranksafe file whose footer was cut, or a zip cut short.
+        if first == _ZIP_START and not _ends_a_zip(f, size):
+            raise CorruptCheckpoint(path, "the file is truncated (no end of archive, no ranksafe footer)")
+        return False
+    _, length, crc, _ = _FOOTER.unpack(tail)
+    if length != size - _FOOTER.size:
+        raise CorruptCheckpoint(path, f"size is {size - _FOOTER.size} bytes, the footer says {length}")
+    if first not in (_ZIP_START, _LEGACY_START):  # a footer alone, or one under something else
+        raise CorruptCheckpoint(path, "a ranksafe footer, but no torch checkpoint before it")
+    f.seek(0)
+    actual, left = 0, length
+    while left:
+        chunk = f.read(min(_CHUNK, left))
+        if not chunk:
+            raise CorruptCheckpoint(path, "file ended early")
+        actual = zlib.crc32(chunk, actual)
+        left -= len(chunk)
     if actual != crc:
         raise CorruptCheckpoint(path, f"checksum mismatch (crc32 {actual:08x}, footer says {crc:08x})")
     return True
@@ -494,26 +522,36 @@ def load_file(
     map_location: Any = "cpu",
     weights_only: bool | None = True,
     verify: bool = True,
+    storage_options: dict[str, Any] | None = None,
     **kw: Any,
 ) -> Any:
-    """Load a checkpoint with clear errors. Local, no collectives; :func:`ranksafe.load` is the collective.
+    """Load a checkpoint with clear errors. No collectives; :func:`ranksafe.load` is the collective.
 
     ``weights_only=True`` by default: a file holding arbitrary pickled objects raises
     :class:`UntrustedCheckpoint` unless the caller opts in; ``None`` leaves the choice to ``torch.load`` (True,
     unless the user set ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``), as Lightning and torch do. Truncated, bit-flipped
-    or foreign files raise :class:`CorruptCheckpoint` naming the path.
+    or foreign files raise :class:`CorruptCheckpoint` naming the path. ``path`` may be a URL of remote storage
+    (``storage_options`` for its file system): the object is read once, verified and loaded from memory.
     """
-    path = local_path(path)
-    if os.path.isdir(path):
-        raise IsADirectoryError(f"{path} is a directory, not a checkpoint file")
-    if verify:
-        verify_file(path)
+    if remote.is_url(path):
+        target = remote.Remote.of(path, storage_options)
+        name, source = target.url, io.BytesIO(target.read())
+        if verify:
+            _verify(source, name)
+        source.seek(0)
+    else:
+        name = source = local_path(path)
+        if os.path.isdir(name):
+            raise IsADirectoryError(f"{name} is a directory, not a checkpoint file")
+        if verify:
+            with open(name, "rb") as f:
+                _verify(f, name)
     try:
-        return torch.load(path, map_location=map_location, weights_only=weights_only, **kw)
+        return torch.load(source, map_location=map_location, weights_only=weights_only, **kw)
     except (FileNotFoundError, IsADirectoryError, PermissionError):
         raise
     except Exception as e:
-        error = _load_error(path, e, weights_only)
+        error = _load_error(name, e, weights_only, _first_bytes(source))
         if error is e:
             raise
         raise error from e
@@ -523,9 +561,10 @@ def load_file(
 _DAMAGE = (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, KeyError, IndexError, OSError)
 
 
-def _load_error(path: str, e: Exception, weights_only: bool | None) -> Exception:
-    """What a failed ``torch.load`` of ``path`` means, named for the user (``e`` itself: pass it on)."""
-    if _first_bytes(path) not in (_ZIP_START, _LEGACY_START):
+def _load_error(path: str, e: Exception, weights_only: bool | None, first: bytes) -> Exception:
+    """What a failed ``torch.load`` of ``path`` (whose first bytes are ``first``) means, named for the user
+    (``e`` itself: pass it on)."""
+    if first not in (_ZIP_START, _LEGACY_START):
         return CorruptCheckpoint(path, "not a torch checkpoint (neither a zip archive nor torch's legacy format)")
     if isinstance(e, pickle.UnpicklingError) and weights_only is not False and "Weights only load failed" in str(e):
         lines = str(e).splitlines()
@@ -538,7 +577,10 @@ def _load_error(path: str, e: Exception, weights_only: bool | None) -> Exception
     return CorruptCheckpoint(path, f"{type(e).__name__}: {detail}" if detail else type(e).__name__)
 
 
-def _first_bytes(path: str) -> bytes:
+def _first_bytes(source: str | IO[bytes]) -> bytes:
     """The 4 bytes that tell torch's two formats (:data:`_ZIP_START`, :data:`_LEGACY_START`) from other files."""
-    with open(path, "rb") as f:
-        return f.read(4)
+    if isinstance(source, str):
+        with open(source, "rb") as f:
+            return f.read(4)
+    source.seek(0)
+    return source.read(4)

@@ -10,7 +10,7 @@ import os
 import shutil
 from typing import Any, Literal
 
-from . import topology
+from . import remote, topology
 from .collectives import barrier, together
 from .files import atomic_save, load_file, local_path, make_dirs
 from .sharded import refuse_sharded
@@ -46,23 +46,43 @@ def error_naming_target(e: OSError, action: str, path: str) -> OSError:
     return error
 
 
-def save(obj: Any, path: str | os.PathLike, writer: Writer = "main", **torch_save_kwargs: Any) -> str:
+StorageOptions = dict[str, Any] | None
+
+
+def _checked(path: str | os.PathLike, storage_options: StorageOptions) -> tuple[str, bool]:
+    """``(path or URL, is a URL)``, the URL resolved once on every rank: one without a file system raises here,
+    on every rank, before any collective."""
+    if remote.is_url(path):
+        return remote.Remote.of(path, storage_options).url, True
+    return local_path(path), False
+
+
+def save(
+    obj: Any,
+    path: str | os.PathLike,
+    writer: Writer = "main",
+    storage_options: StorageOptions = None,
+    **torch_save_kwargs: Any,
+) -> str:
     """Save ``obj`` to ``path`` from the writer rank(s), atomically; collective.
 
     The writer creates the parent directory and commits the file atomically; non-writers touch no file.
     A failed write raises :class:`RankFailure` on every rank (also an instance of the original error type
-    when it is a built-in one, e.g. ``PermissionError``). Returns the path on every rank. Sharded tensors (a
-    ``DTensor`` sharded across ranks) need ``writer="all"`` and a path per rank: one writer would keep its own
-    shards only, so every rank raises ``ValueError`` instead.
+    when it is a built-in one, e.g. ``PermissionError``). Returns the path on every rank. ``path`` may be a URL
+    of remote storage (``s3://``, ``gs://``...; ``storage_options`` for its fsspec file system), written in one
+    upload that appears whole or not at all. Sharded tensors (a ``DTensor`` sharded across ranks) need
+    ``writer="all"`` and a path per rank: one writer would keep its own shards only, so every rank raises
+    ``ValueError`` instead.
     """
-    path = local_path(path)
+    path, url = _checked(path, storage_options)
     with together("save", what=f"save {path}"):
         if writer != "all":
             refuse_sharded(obj, f"save {path}")
         if is_writer(writer):
             try:
-                make_dirs(os.path.dirname(os.path.abspath(path)))
-                atomic_save(obj, path, **torch_save_kwargs)
+                if not url:
+                    make_dirs(os.path.dirname(os.path.abspath(path)))
+                atomic_save(obj, path, storage_options=storage_options, **torch_save_kwargs)
             except OSError as e:
                 raise error_naming_target(e, "cannot save", path) from e
     return path
@@ -73,6 +93,7 @@ def load(
     map_location: Any = "cpu",
     weights_only: bool | None = True,
     verify: bool = True,
+    storage_options: StorageOptions = None,
     **kw: Any,
 ) -> Any:
     """Load ``path`` on every rank once every rank has arrived; collective.
@@ -82,29 +103,35 @@ def load(
     rank (``FileNotFoundError``, :class:`CorruptCheckpoint`, ...), naming the path and the ranks, even
     when only some ranks could not read it. ``weights_only``, ``verify`` and the rest as
     :func:`~ranksafe.files.load_file`: ``None`` leaves the choice to ``torch.load``; ``verify=False`` skips the
-    footer's checksum.
+    footer's checksum. ``path`` may be a URL of remote storage.
     """
-    path = local_path(path)
+    path, _ = _checked(path, storage_options)
     barrier("load", what=f"load {path}")
     result = None
     with together("load", what=f"load {path}"):
         try:
-            result = load_file(path, map_location=map_location, weights_only=weights_only, verify=verify, **kw)
+            result = load_file(path, map_location, weights_only, verify=verify, storage_options=storage_options, **kw)
         except OSError as e:
             raise error_naming_target(e, "cannot load", path) from e
     return result
 
 
-def prepare_dir(path: str | os.PathLike, overwrite: bool = False, writer: Writer = "main") -> str:
+def prepare_dir(
+    path: str | os.PathLike, overwrite: bool = False, writer: Writer = "main", storage_options: StorageOptions = None
+) -> str:
     """Create ``path`` for a run's outputs without races; collective.
 
     Only the writer looks at the directory (once: on NFS other ranks' caches can disagree), removes it when
     ``overwrite`` is set, and creates it. A non-empty directory without ``overwrite`` raises
-    ``FileExistsError`` on every rank. All ranks return together, after the directory exists.
+    ``FileExistsError`` on every rank. All ranks return together, after the directory exists. On remote storage
+    (a URL) "non-empty" means any object under the prefix.
     """
-    path = local_path(path)
+    path, url = _checked(path, storage_options)
     with together("prepare_dir", what=f"prepare_dir {path}"):
         if is_writer(writer):
+            if url:
+                _prepare_remote(remote.Remote.of(path, storage_options), overwrite)
+                return path
             if os.path.isdir(path) and os.listdir(path):
                 if not overwrite:
                     raise FileExistsError(f"{_where(path)} exists and is not empty; pass overwrite=True to replace it")
@@ -113,3 +140,11 @@ def prepare_dir(path: str | os.PathLike, overwrite: bool = False, writer: Writer
                 raise NotADirectoryError(f"{_where(path)} exists and is not a directory")
             make_dirs(path)
     return path
+
+
+def _prepare_remote(target: remote.Remote, overwrite: bool) -> None:
+    if target.names():
+        if not overwrite:
+            raise FileExistsError(f"{_where(target.url)} is not empty; pass overwrite=True to replace it")
+        target.remove()
+    target.fs.makedirs(target.path, exist_ok=True)

@@ -1,0 +1,164 @@
+"""Checkpoints on remote storage: fsspec URLs such as ``s3://``, ``gs://``, ``az://``, ``memory://`` (and
+``http://`` to read).
+
+A URL never reaches ``open``: taken for a relative path, ``s3://bucket/x`` would become a local folder ``s3:`` on
+a node disk. :func:`split` tells a URL from a local path (``file://`` URLs are local paths), and :class:`Remote`
+is a URL resolved to its fsspec file system.
+
+The commit of one object (:func:`commit_object`) fits the store. An object store has no rename, but an upload
+becomes visible whole, when it completes: the object is opened with fsspec's ``autocommit=False``, written
+(torch's bytes and ranksafe's footer, as on a local disk), and committed only after the last byte. A writer that
+fails discards the upload (S3 aborts the multipart upload); one that is killed never completes it: either way the
+previous object, or none, stays. A file system whose files cannot defer their commit gets a temporary name and a
+move, which is a rename wherever the store has one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import secrets
+import urllib.parse
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import IO, Any
+
+from . import topology
+
+# "s3://bucket/x", and what pathlib makes of it ("s3:/bucket/x"); one letter before the colon is a Windows drive
+_URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]+):/(?P<slashes>/?)(?P<rest>.*)$", re.DOTALL)
+TMP_SUFFIX = ".ranksafe-tmp"
+
+
+def split(path: str | os.PathLike) -> tuple[str | None, str]:
+    """``(None, local path)`` or ``(scheme, URL)``. A ``file://`` URL is a local path; pathlib's ``s3:/bucket/x``
+    (what ``Path("s3://bucket/x")`` prints) is the URL ``s3://bucket/x``."""
+    path = os.fspath(path)
+    if isinstance(path, bytes):
+        path = os.fsdecode(path)
+    m = _URL.match(path)
+    if m is None:
+        return None, path
+    scheme = m["scheme"].lower()
+    if scheme == "file":
+        parsed = urllib.parse.urlparse(path)
+        if parsed.netloc in ("", "localhost"):
+            return None, urllib.parse.unquote(parsed.path)
+        return scheme, path  # a file on another host: not ours to reach
+    if not m["slashes"]:  # pathlib ate one slash of "s3://bucket/x"
+        return scheme, f"{scheme}://{m['rest']}"
+    return scheme, path
+
+
+def is_url(path: str | os.PathLike) -> bool:
+    """Whether ``path`` names remote storage (a URL other than ``file://``)."""
+    return split(path)[0] is not None
+
+
+def where(path: str | os.PathLike) -> str:
+    """``path (rank N)``, for messages."""
+    return f"{os.fspath(path)} (rank {topology.rank()})"
+
+
+@dataclass(frozen=True)
+class Remote:
+    """A URL and the fsspec file system that serves it (``fs``), with the path that file system uses (``path``)."""
+
+    url: str
+    fs: Any
+    path: str
+
+    @classmethod
+    def of(cls, url: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> Remote:
+        """Resolve ``url`` (as :func:`split` reads it) to its file system. Raises ``ValueError`` naming the URL and
+        the rank when no installed fsspec implementation serves it (``s3://`` needs ``s3fs``)."""
+        scheme, url = split(url)
+        if scheme is None:
+            raise ValueError(f"{where(url)} is a local path, not a URL")
+        try:
+            import fsspec
+        except ImportError as e:  # pragma: no cover - fsspec is a dependency
+            raise ValueError(f"{where(url)}: remote storage needs fsspec (pip install fsspec)") from e
+        try:
+            fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        except (ImportError, ValueError) as e:  # no implementation for the scheme, or one that is not installed
+            raise ValueError(f"{where(url)}: no file system for {scheme}:// ({e})") from e
+        return cls(url.rstrip("/"), fs, path.rstrip("/") or path)
+
+    def child(self, *names: str) -> Remote:
+        """The URL of ``names`` below this one."""
+        tail = "/".join(names)
+        return Remote(f"{self.url}/{tail}", self.fs, f"{self.path}/{tail}")
+
+    @property
+    def name(self) -> str:
+        return self.path.rsplit("/", 1)[-1]
+
+    def exists(self) -> bool:
+        return self.fs.exists(self.path)
+
+    def read(self) -> bytes:
+        """The whole object (``FileNotFoundError`` naming the URL if there is none)."""
+        try:
+            return self.fs.cat_file(self.path)
+        except FileNotFoundError:
+            raise FileNotFoundError(errno.ENOENT, "no such object", self.url) from None
+        except IsADirectoryError:
+            raise IsADirectoryError(errno.EISDIR, "a directory, not a checkpoint file", self.url) from None
+
+    def names(self) -> list[str]:
+        """The names directly below this URL (none when there is nothing there)."""
+        try:
+            entries = self.fs.ls(self.path, detail=False, refresh=True)
+        except FileNotFoundError:
+            return []
+        return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries} - {""})
+
+    def remove(self) -> None:
+        """Remove the object, or everything below this URL; nothing there is no error."""
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(self.path, recursive=True)
+
+
+# Object stores whose files, opened with fsspec's ``autocommit=False``, publish only at ``commit()``: an upload
+# appears whole when it completes. (fsspec's in-memory file system publishes a file as it is opened.)
+_COMMIT_ON_COMPLETION = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"})
+
+
+def _protocols(fs: Any) -> set[str]:
+    return {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+
+
+@contextlib.contextmanager
+def commit_object(target: Remote) -> Iterator[IO[bytes]]:
+    """Open ``target`` for writing so that it appears complete or not at all (see the module docstring).
+
+    An exception in the block discards what was written; the previous object, if any, stays.
+    """
+    fs = target.fs
+    if _protocols(fs) & _COMMIT_ON_COMPLETION:
+        staged = None
+        f = fs.open(target.path, "wb", autocommit=False)
+    else:  # a file system that publishes as it writes: a temporary object, moved into place
+        parent = target.path.rsplit("/", 1)[0]
+        fs.makedirs(parent, exist_ok=True)
+        staged = f"{parent}/.{target.name}.{secrets.token_hex(4)}{TMP_SUFFIX}"
+        f = fs.open(staged, "wb")
+    try:
+        yield f
+        f.close()
+        if staged is None:
+            f.commit()
+        else:
+            fs.mv(staged, target.path)
+    except BaseException:
+        with contextlib.suppress(Exception):  # closed first, as fsspec's transactions do: never flushed again later
+            f.close()
+        with contextlib.suppress(Exception):
+            if staged is None:
+                f.discard()
+            else:
+                fs.rm(staged)
+        raise

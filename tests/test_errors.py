@@ -1,0 +1,104 @@
+"""Each ranksafe error is also what the stock call raises for the same cause: an ``except`` clause written for stock
+PyTorch keeps working once ranksafe is added. Every test feeds the same input to the stock call and to ranksafe."""
+
+from __future__ import annotations
+
+import errno
+import os
+import pickle
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ranksafe
+from tests.ranks import run_ranks
+
+
+def _stock_error(call) -> BaseException:
+    with pytest.raises(Exception) as stock:
+        call()
+    return stock.value
+
+
+def _ranksafe_error(call) -> BaseException:
+    with pytest.raises(ranksafe.RankSafeError) as ours:
+        call()
+    return ours.value
+
+
+class Custom:
+    pass
+
+
+def test_untrusted_checkpoint_is_what_weights_only_loading_raises(tmp_path):
+    path = tmp_path / "objects.pt"
+    torch.save({"obj": Custom()}, path)
+    stock = _stock_error(lambda: torch.load(path, weights_only=True))
+    ours = _ranksafe_error(lambda: ranksafe.load(path))
+    assert type(stock) is pickle.UnpicklingError
+    assert isinstance(ours, ranksafe.UntrustedCheckpoint) and isinstance(ours, type(stock))
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [lambda b: b[: len(b) // 2], lambda b: b"not a checkpoint at all" * 4],
+    ids=["truncated archive", "not a checkpoint"],
+)
+def test_corrupt_checkpoint_is_what_torch_load_raises_on_a_damaged_file(tmp_path, damage):
+    good = tmp_path / "good.pt"
+    torch.save({"w": torch.randn(1000)}, good)
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(damage(good.read_bytes()))
+    stock = _stock_error(lambda: torch.load(bad, weights_only=False))
+    ours = _ranksafe_error(lambda: ranksafe.load(bad, weights_only=False))
+    assert type(stock) in (RuntimeError, pickle.UnpicklingError), type(stock)
+    assert isinstance(ours, ranksafe.CorruptCheckpoint) and isinstance(ours, type(stock))
+
+
+def _stock_and_ours(rank, root):
+    """A save that fails on rank 0 (a file where its directory must go), stock and through ranksafe."""
+    blocked = os.path.join(root, "blocked")
+    out = {}
+    try:  # stock: rank 0 writes and then waits in a barrier; the other rank waits there for the timeout
+        if rank == 0:
+            torch.save({"w": torch.ones(2)}, os.path.join(blocked, "model.pt"))
+        dist.barrier()
+        out["stock"] = None
+    except Exception as e:
+        out["stock"] = [t.__name__ for t in type(e).__mro__]
+    if rank == 0:  # never at the barrier: the other rank times out there (3 s) before both go on
+        time.sleep(5)
+    try:
+        ranksafe.save({"w": torch.ones(2)}, os.path.join(blocked, "model.pt"))
+        out["ours"] = None
+    except ranksafe.RankFailure as e:
+        out["ours"] = [t.__name__ for t in type(e).__mro__]
+        out["errno"] = e.errno
+    return out
+
+
+def test_a_failure_shared_by_every_rank_is_what_each_rank_raised_in_stock_code(tmp_path):
+    (tmp_path / "blocked").write_text("a file where a directory must go")
+    values = run_ranks(_stock_and_ours, 2, args=(str(tmp_path),), env={"TEST_PG_TIMEOUT": "3"}, timeout=90).values
+    for rank, out in enumerate(values):
+        stock, ours = out["stock"][0], set(out["ours"])
+        # stock: the writer's torch.save raises RuntimeError (its zip writer's), the other rank times out in the
+        # barrier (the backend's RuntimeError); ranksafe raises on both one error that is that and an OSError
+        assert stock == "RuntimeError", (rank, out["stock"])
+        assert {"RankFailure", stock, "OSError"} <= ours, out["ours"]
+        assert out["errno"] == errno.ENOTDIR
+
+
+def _barrier_missing(rank):
+    if rank == 1:
+        return None
+    with pytest.raises(ranksafe.BarrierTimeout) as ours:
+        ranksafe.barrier("missing", timeout=1)
+    return isinstance(ours.value, RuntimeError)
+
+
+def test_barrier_timeout_is_a_runtime_error_like_the_backends_timeout():
+    values = run_ranks(_barrier_missing, 2, timeout=60).values
+    assert values[0] is True
