@@ -2,6 +2,7 @@
 # One entry point for a fresh machine: sets up .venv (idempotent), then runs a job.
 #   bash dev.sh demo   -> set up, then run the multi-process CPU demo
 #   bash dev.sh test   -> set up, then lint and run the whole test suite
+#   bash dev.sh compat -> the integration tests against the oldest and newest lightning and fastai allowed
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -52,6 +53,29 @@ case "$job" in
     # The tutorial pages show the outputs of the run above (docs/_ext/executed_notebooks.py), not a second run.
     RANKSAFE_EXECUTED_NOTEBOOKS=$executed NO_MKDOCS_2_WARNING=1 timeout 900 mkdocs build --strict -d "$site"  # not --quiet: it hides the warnings
     ;;
+  compat)
+    # The integration tests against the oldest and the newest lightning and fastai that pyproject.toml allows,
+    # each in a venv of its own under .venv-compat/ (kept between runs). Not part of `test`: each venv takes
+    # minutes to set up. `bash dev.sh compat lightning oldest` runs one of the four.
+    setup "$@"
+    status=0
+    for package in lightning fastai; do
+      [[ -n ${2:-} && $2 != "$package" ]] && continue
+      for which in oldest newest; do
+        [[ -n ${3:-} && $3 != "$which" ]] && continue
+        venv=.venv-compat/$package-$which
+        echo "== $package ($which) in $venv"
+        version=$("$VENV/bin/python" requirements/compat.py "$venv" "$package" "$which" | tail -1)
+        echo "== $version"
+        if [[ $package == lightning ]]; then tests=(tests/test_lightning*.py); else tests=(tests/test_fastai*.py); fi
+        if "$venv/bin/python" -m pytest -q -p no:cacheprovider "${tests[@]}"; then
+          echo "== PASS $version"
+        else
+          echo "== FAIL $version"; status=1
+        fi
+      done
+    done
+    exit $status ;;
   *)
-    echo "usage: bash dev.sh demo|test [args]" >&2; exit 2 ;;
+    echo "usage: bash dev.sh demo|test|compat [args]" >&2; exit 2 ;;
 esac
