@@ -121,3 +121,150 @@ def test_s3_on_two_ranks_one_writer_shared_failures(s3):
         assert "rank 0: FileNotFoundError: cannot save s3://no-such-bucket/model.pth (rank 0)" in out["missing"]
         assert "cannot write checkpoints to s3://no-such-bucket/run (rank 0)" in out["warmup"]
         assert out["async"] == [0.0, 0.0], "rank 0 is the one writer"
+
+
+# --- CheckpointManager on remote storage ------------------------------------------------------------------------
+
+
+def _state(step: int) -> dict:
+    return {"w": torch.full((4,), float(step)), "step": step}
+
+
+def test_manager_on_memory_commits_by_manifest_keeps_the_newest_and_ignores_debris(memory):
+    mgr = ranksafe.CheckpointManager("memory://run", keep=2)
+    mgr.warmup(_state(0))
+    for step in (1, 2, 3):
+        assert mgr.save(step, _state(step)) == f"memory://run/step_{step:08d}"
+    assert mgr.latest() == 3 and mgr.load()["step"] == 3
+    assert [s.step for s in ranksafe.list_steps("memory://run")] == [2, 3]
+    assert ranksafe.verify_step("memory://run/step_00000003")["step"] == 3
+    # a killed save leaves files without a manifest: not committed, never loaded, removed by the next save
+    memory.pipe_file("/run/step_00000009/state.pt", b"half an upload")
+    assert [(s.step, s.status) for s in ranksafe.list_steps("memory://run")][-1] == (9, "incomplete")
+    assert mgr.latest() == 3
+    mgr.save(4, _state(4))
+    assert memory.ls("/run", detail=False) == ["/run/step_00000003", "/run/step_00000004"]
+    # a flipped byte is found by the load's verification
+    data = bytearray(memory.cat_file("/run/step_00000004/state.pt"))
+    data[100] ^= 1
+    memory.pipe_file("/run/step_00000004/state.pt", bytes(data))
+    with pytest.raises(ranksafe.CorruptCheckpoint, match=r"step_00000004/state\.pt: checksum mismatch"):
+        mgr.load()
+    with pytest.warns(RuntimeWarning, match="falling back to step 3"):
+        assert mgr.load(fallback=True)["step"] == 3
+
+
+def test_manager_on_memory_saves_in_the_background(memory):
+    mgr = ranksafe.CheckpointManager("memory://bg", keep=None, async_save=True)
+    for step in (1, 2):
+        mgr.save(step, _state(step))
+    mgr.close()
+    assert mgr.latest() == 2 and mgr.load(1)["step"] == 1
+
+
+def _manager_on_s3(rank, root):
+    mgr = ranksafe.CheckpointManager(root, keep=2)
+    out = {}
+    try:
+        ranksafe.CheckpointManager("s3://no-such-bucket/run").warmup()
+    except FileNotFoundError as e:
+        out["warmup"] = str(e)
+    mgr.warmup(_state(0))
+    for step in (1, 2, 3):
+        with mgr.saving(step, {"state.pt": _state(step)}) as tx:
+            tx.save({"rank": rank}, f"rank-{rank}.pt")  # every rank's own file, in the same step
+    out["latest"] = mgr.latest()
+    out["loaded"] = mgr.load()["step"]
+    out["files"] = sorted(ranksafe.verify_step(mgr.step_dir(3))["files"])
+    if rank == 0:  # the bucket goes away under a running job: the next upload fails
+        import s3fs
+
+        s3fs.S3FileSystem().rm("ckpt-gone", recursive=True)
+    ranksafe.barrier("bucket removed")
+    try:
+        ranksafe.CheckpointManager("s3://ckpt-gone/run").save(1, _state(1))
+    except FileNotFoundError as e:
+        out["failed put"] = f"{type(e).__name__}: {e}"
+    try:  # fsspec's memory store lives in one process: warmup finds out before anything is trusted to it
+        ranksafe.CheckpointManager("memory://per-process").warmup()
+    except FileNotFoundError as e:
+        out["memory"] = str(e)
+    return out
+
+
+def test_manager_on_s3_on_two_ranks(s3):
+    make_bucket("ckpt-gone")
+    values = run_ranks(_manager_on_s3, 2, args=("s3://ckpt/two",), env=s3, timeout=180).values
+    for out in values:
+        assert "cannot write checkpoints to s3://no-such-bucket/run (rank 0)" in out["warmup"]
+        assert out["latest"] == 3 and out["loaded"] == 3
+        assert out["files"] == ["rank-0.pt", "rank-1.pt", "state.pt"]
+        assert out["failed put"].startswith("RankFailure[FileNotFoundError]: checkpoint 1: commit failed on rank 0")
+        assert "cannot save step 1: s3://ckpt-gone/run/step_00000001/state.pt (rank 0)" in out["failed put"]
+        assert "memory://per-process (rank 1) does not see what rank 0 wrote" in out["memory"]
+    assert [s.step for s in ranksafe.list_steps("s3://ckpt/two")] == [2, 3]
+
+
+_KILLED_WRITER = """
+import sys, torch, ranksafe
+mgr = ranksafe.CheckpointManager(sys.argv[1], keep=None)
+mgr.save(1, {"w": torch.ones(4)})
+with mgr.saving(2, {"state.pt": {"w": torch.zeros(16_000_000)}}) as tx:  # 64 MB: many parts to upload
+    tx.save(b"side file", "side.bin")
+"""
+
+
+def test_a_writer_killed_mid_upload_leaves_no_step_that_loads_and_the_next_save_cleans_up(s3, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import s3fs
+
+    fs = s3fs.S3FileSystem()
+    results = {"ranksafe": 0, "naive": 0}
+    kills = 2
+    for attempt in range(kills):
+        root = f"s3://ckpt/killed-{attempt}"
+        child = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, root], env={**os.environ, **s3})
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # until the big upload is under way
+            uploads = fs.call_s3("list_multipart_uploads", Bucket="ckpt").get("Uploads", [])
+            if any(u["Key"] == f"killed-{attempt}/step_00000002/state.pt" for u in uploads):
+                break
+            time.sleep(0.05)
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(30)
+        fs.invalidate_cache()
+        prefixes = fs.ls(root[len("s3://") :], detail=False)
+        naive = max(int(p.rsplit("_", 1)[1]) for p in prefixes)  # the newest step directory there is
+        results["naive"] += naive == 2
+        mgr = ranksafe.CheckpointManager(root, keep=None)
+        results["ranksafe"] += mgr.latest() == 2
+        assert mgr.latest() == 1 and torch.equal(mgr.load()["w"], torch.ones(4))
+        mgr.save(3, _state(3))  # the writer's next save removes the debris
+        assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(root[len("s3://") :], detail=False, refresh=True)) == [
+            "step_00000001",
+            "step_00000003",
+        ]
+    print(f"{kills} writers killed mid-upload; steps taken for the latest although torn:", results)
+    assert results == {"ranksafe": 0, "naive": kills}
+
+
+def test_the_command_line_verifies_and_lists_remote_steps(memory, capsys):
+    from ranksafe import cli
+
+    mgr = ranksafe.CheckpointManager("memory://cli", keep=None)
+    mgr.save(1, _state(1))
+    ranksafe.save({"w": 1}, "memory://cli/model.pth")
+    assert cli.main(["verify", "memory://cli/step_00000001"]) == 0
+    assert cli.main(["verify", "memory://cli/model.pth"]) == 0
+    assert cli.main(["ls", "memory://cli"]) == 0
+    out = capsys.readouterr().out
+    assert "OK memory://cli/step_00000001: step 1, 1 files" in out and "OK memory://cli/model.pth: " in out
+    assert "committed" in out and "memory://cli/step_00000001" in out
+    memory.pipe_file("/cli/step_00000001/state.pt", b"torn")
+    assert cli.main(["verify", "memory://cli/step_00000001"]) == 1
+    assert cli.main(["ls", "memory://cli"]) == 1
+    assert "size is 4 bytes, the manifest says" in capsys.readouterr().err + ""

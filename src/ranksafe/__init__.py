@@ -5,8 +5,9 @@ rank raised on every rank instead of a hang.
 """
 
 from .async_save import AsyncSaver
-from .checkpoint import CheckpointManager, list_steps, verify_step
+from .checkpoint import CheckpointManager
 from .collectives import abort, abort_on_error, agree, all_gather, barrier, broadcast, main_first, together
+from .commit import list_steps, verify_step
 from .errors import (
     BarrierTimeout,
     CollectiveMismatch,

@@ -7,70 +7,70 @@ Layout::
     root/step_00000010/MANIFEST.json   every file with its size and CRC32; written last
     root/.step_00000011.ranksafe-partial   a save in progress (or the debris of a crashed one)
 
-:class:`AtomicDir` is the one place that decides how a directory becomes visible (the directory analogue of
-:class:`ranksafe.files.AtomicFile`). :class:`CheckpointManager` decides who runs which step of it: every
-rank knows the temporary and final paths; the writer(s) chosen by :mod:`ranksafe.storage` create, commit
-and delete; every rank may write side files between create and commit. A save costs three exchanges
-whatever the world size, and ranks that write nothing make no file-system call.
+``root`` may be a URL of remote storage (``s3://bucket/run``): there a step's files go straight under its
+prefix and the manifest, written last, commits it. :mod:`ranksafe.commit` holds both commit protocols.
+:class:`CheckpointManager` decides who runs which part of one: every rank knows the temporary and final places;
+the writer(s) chosen by :mod:`ranksafe.storage` create, commit and delete (remote storage is shared: rank 0
+writes); every rank may write side files between create and commit. A save costs three exchanges whatever the
+world size, and ranks that write nothing make no file-system call.
 
 With ``async_save=True`` the writer's local part of a save (write the files, the manifest, rename, apply
 retention) runs on an :class:`~ranksafe.AsyncSaver` thread: :meth:`CheckpointManager.save` returns once the
 state is snapshotted, and a background failure is raised on every rank by the next :meth:`~CheckpointManager.check`
 (or the next save, which checks first).
-
-:func:`verify_step` and :func:`list_steps` read a root without collectives (for ``ranksafe verify`` /
-``ranksafe ls`` and for humans).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import shutil
-import time
 import warnings
-import zlib
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-from . import topology
+from . import remote, topology
 from .async_save import AsyncSaver
-from .collectives import exchange, share_outcome, together
-from .errors import BarrierTimeout, CollectiveMismatch, CorruptCheckpoint, Failure, rank_failure
-from .files import (
-    TMP_SUFFIX,
-    ChecksummingWriter,
-    atomic_write,
-    fsync_dir,
-    load_file,
-    local_path,
-    make_dirs,
-    save_with_footer,
+from .collectives import broadcast, exchange, share_outcome, together
+from .commit import (
+    MANIFEST,
+    AtomicDir,
+    DirCommit,
+    Entry,
+    Place,
+    StepInfo,
+    build_manifest,
+    check_name,
+    join,
+    list_steps,
+    name_of,
+    names,
+    open_for_commit,
+    read_manifest,
+    step_commit,
+    verify_step,
 )
+from .errors import BarrierTimeout, CollectiveMismatch, Failure, rank_failure
+from .files import ChecksummingWriter, load_file, local_path, probe_write, save_with_footer
+from .remote import Remote
 from .saving import error_naming_target
 from .sharded import refuse_sharded
 from .snapshot import StateDictLock
 from .storage import Placement, Storage, placement
 
-MANIFEST = "MANIFEST.json"
+__all__ = [
+    "MANIFEST",
+    "STATE",
+    "AtomicDir",
+    "CheckpointManager",
+    "StepInfo",
+    "list_steps",
+    "read_manifest",
+    "verify_step",
+]
+
 STATE = "state.pt"
-FORMAT = "ranksafe-step/1"
-_CHUNK = 8 << 20
-
-Status = Literal["committed", "incomplete", "corrupt"]
-Entry = tuple[int, int]  # size, crc32
-
-
-def check_name(name: str, what: str = "name") -> str:
-    """Return ``name`` if it is one plain path component that stays inside its directory, else raise."""
-    if not isinstance(name, str) or not name or name in (".", "..") or name.startswith("."):
-        raise ValueError(f"{what} {name!r} must be a non-empty name that does not start with '.'")
-    if "/" in name or "\0" in name or (os.altsep and os.altsep in name) or os.sep in name:
-        raise ValueError(f"{what} {name!r} must not contain path separators")
-    return name
 
 
 def _check_step(step: Any) -> int:
@@ -79,228 +79,41 @@ def _check_step(step: Any) -> int:
     return step
 
 
-class AtomicDir:
-    """The commit protocol for a directory: temporary sibling, manifest written last, rename into place.
-
-    * ``AtomicDir(final)`` on every rank: both paths are derived from the final one, no file-system call;
-    * ``create()`` on the writer only: removes the debris of an earlier crashed attempt, makes the temporary;
-    * every rank may now write into ``tmp``;
-    * ``finalize(manifest)`` on the writer only, after every rank is done: writes the manifest atomically,
-      fsyncs, renames the temporary to the final name (an existing final directory is moved aside first
-      and removed after) and fsyncs the parent;
-    * ``abort()`` on the writer only: removes the temporary.
-
-    A crash at any point leaves either the old committed directory (moved aside, if the crash came between the
-    two renames: :meth:`recover` puts it back) or none, plus hidden debris that the next save removes.
-    """
-
-    PARTIAL, OLD = ".ranksafe-partial", ".ranksafe-old"
-
-    def __init__(self, final: str | os.PathLike):
-        self.final = os.path.abspath(os.fspath(final))
-        self.parent, self.name = os.path.split(self.final)
-        self.tmp = os.path.join(self.parent, f".{self.name}{self.PARTIAL}")
-        self._old = os.path.join(self.parent, f".{self.name}{self.OLD}")
-
-    def create(self) -> None:
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        make_dirs(self.parent)
-        os.mkdir(self.tmp)
-
-    def finalize(self, manifest: Mapping[str, Any]) -> None:
-        with atomic_write(os.path.join(self.tmp, MANIFEST), "w") as f:
-            json.dump(manifest, f, indent=1)
-        fsync_dir(self.tmp)
-        replaced = os.path.isdir(self.final)
-        if replaced:
-            shutil.rmtree(self._old, ignore_errors=True)
-            os.rename(self.final, self._old)
-        os.rename(self.tmp, self.final)
-        fsync_dir(self.parent)
-        if replaced:
-            shutil.rmtree(self._old, ignore_errors=True)
-
-    def abort(self) -> None:
-        shutil.rmtree(self.tmp, ignore_errors=True)
-
-    def recover(self) -> bool:
-        """Put the committed directory back where a crash left it aside: between the two renames of
-        :meth:`finalize` replacing it, only the old copy (moved aside) and the new one (still temporary) exist.
-        True if it did; the new copy stays debris, as it would be had the crash come before the renames."""
-        if os.path.isdir(self._old) and not os.path.exists(self.final):
-            os.rename(self._old, self.final)
-            return True
-        return False
-
-
-def _crc_file(path: str) -> Entry:
-    crc, size = 0, 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-            size += len(chunk)
-        os.fsync(f.fileno())  # side files written with a plain open(): make them durable before the commit
-    return size, crc
-
-
-def _walk(directory: str) -> Iterator[str]:
-    """Relative paths ('/'-separated) of the files under ``directory``, except the manifest and temporaries."""
-    for here, dirs, files in os.walk(directory):
-        dirs.sort()
-        for name in sorted(files):
-            rel = os.path.relpath(os.path.join(here, name), directory).replace(os.sep, "/")
-            if rel != MANIFEST and not name.endswith(TMP_SUFFIX):
-                yield rel
-
-
-def build_manifest(directory: str, step: int, known: Mapping[str, Entry]) -> dict[str, Any]:
-    """The manifest of ``directory``: every file's size and CRC32 (from ``known`` when the writer reported it)."""
-    files = {}
-    for rel in _walk(directory):
-        size, crc = known[rel] if rel in known else _crc_file(os.path.join(directory, rel))
-        files[rel] = {"size": size, "crc32": f"{crc:08x}"}
-    return {"format": FORMAT, "step": step, "time": time.time(), "files": files}
-
-
-def read_manifest(step_dir: str | os.PathLike) -> dict[str, Any]:
-    """The manifest of a committed step directory; :class:`CorruptCheckpoint` if missing or unreadable."""
-    path = os.path.join(os.fspath(step_dir), MANIFEST)
-    try:
-        with open(path) as f:
-            manifest = json.load(f)
-    except FileNotFoundError:
-        if not os.path.isdir(step_dir):
-            raise
-        raise CorruptCheckpoint(path, "no manifest: the save never committed") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CorruptCheckpoint(path, f"unreadable manifest ({e})") from e
-    files = manifest.get("files") if isinstance(manifest, dict) else None
-    if not (isinstance(files, dict) and manifest.get("format") == FORMAT):
-        raise CorruptCheckpoint(path, f"not a {FORMAT} manifest")
-    for rel, meta in files.items():  # valid JSON is not a sound manifest: a flipped bit can rename a key
-        if not (_inside(rel) and isinstance(meta, dict) and _is_size(meta.get("size")) and _is_crc(meta.get("crc32"))):
-            raise CorruptCheckpoint(path, f"damaged manifest entry {rel!r}: {meta!r}"[:300])
-    return manifest
-
-
-def _inside(rel: str) -> bool:
-    """Whether a manifest's file name is a relative path that stays inside the step directory."""
-    return all(part not in ("", ".", "..") for part in rel.split("/"))
-
-
-def _is_size(size: Any) -> bool:
-    return type(size) is int and size >= 0
-
-
-def _is_crc(crc: Any) -> bool:
-    return isinstance(crc, str) and re.fullmatch("[0-9a-f]{8}", crc) is not None
-
-
-def verify_step(step_dir: str | os.PathLike, deep: bool = True) -> dict[str, Any]:
-    """Check every file of a step directory against its manifest; return the manifest.
-
-    Raises :class:`CorruptCheckpoint` naming the first bad file (missing, wrong size, or with ``deep``
-    wrong CRC32), and ``FileNotFoundError`` when the directory does not exist. Local, no collectives.
-    """
-    step_dir = local_path(step_dir)
-    manifest = read_manifest(step_dir)
-    for rel, meta in manifest["files"].items():
-        path = os.path.join(step_dir, *rel.split("/"))
-        try:
-            size = os.stat(path).st_size
-        except FileNotFoundError:
-            raise CorruptCheckpoint(path, "missing (listed in the manifest)") from None
-        if size != meta["size"]:
-            raise CorruptCheckpoint(path, f"size is {size} bytes, the manifest says {meta['size']}")
-        if deep:
-            crc = _crc_file(path)[1]
-            if f"{crc:08x}" != meta["crc32"]:
-                raise CorruptCheckpoint(path, f"checksum mismatch (crc32 {crc:08x}, manifest says {meta['crc32']})")
-    return manifest
-
-
-@dataclass(frozen=True)
-class StepInfo:
-    """One step directory as :func:`list_steps` sees it."""
-
-    step: int
-    path: str
-    status: Status
-    size: int  # bytes of the files found
-    time: float  # commit time from the manifest, else the directory's modification time
-    error: str | None = None
-
-
-def _step_pattern(prefix: str) -> re.Pattern[str]:
-    return re.compile(rf"^(\.)?{re.escape(prefix)}(\d+)({re.escape(AtomicDir.PARTIAL)})?$")
-
-
-def list_steps(root: str | os.PathLike, prefix: str = "step_", deep: bool = False) -> list[StepInfo]:
-    """Every step directory under ``root``, oldest first, as committed, incomplete or corrupt. Local.
-
-    A step that disappears while it is being looked at (retention, a commit renaming it) is left out.
-    """
-    root = local_path(root)
-    pattern = _step_pattern(prefix)
-    out = []
-    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
-        m = pattern.match(name)
-        if not m or bool(m.group(1)) != bool(m.group(3)):
-            continue
-        with contextlib.suppress(FileNotFoundError):
-            out.append(_step_info(os.path.join(root, name), int(m.group(2)), bool(m.group(3)), deep))
-    return sorted(out, key=lambda s: (s.step, s.status != "committed"))
-
-
-def _step_info(path: str, step: int, partial: bool, deep: bool) -> StepInfo:
-    size = sum(os.stat(os.path.join(path, *rel.split("/"))).st_size for rel in _walk(path))
-    status: Status = "committed"
-    error, when = None, os.stat(path).st_mtime
-    if partial or not os.path.isfile(os.path.join(path, MANIFEST)):
-        status = "incomplete"  # a save in progress, a crashed one, or a directory that never committed
-    else:
-        try:
-            written = verify_step(path, deep=deep).get("time")
-            when = written if isinstance(written, (int, float)) else when
-        except CorruptCheckpoint as e:
-            status, error = "corrupt", str(e)
-    return StepInfo(step, path, status, size, when, error)
-
-
 class StepWriter:
-    """What every rank holds inside :meth:`CheckpointManager.saving`: the temporary step directory.
+    """What every rank holds inside :meth:`CheckpointManager.saving`: the step directory being written.
 
-    Files written through :meth:`save` are checksummed while they stream to disk, and their size and CRC
-    travel to the writer for the manifest; files written directly into :attr:`path` are hashed by the
-    writer at commit. Names are plain file names inside the step directory.
+    Files written through :meth:`save` are checksummed while they stream out, and their size and CRC travel to
+    the writer for the manifest; files written directly into :attr:`path` (a local directory only) are hashed by
+    the writer at commit. Names are plain file names inside the step directory.
     """
 
-    def __init__(self, commit: AtomicDir, step: int):
-        self.path = commit.tmp
+    def __init__(self, commit: DirCommit, step: int):
+        self.path = name_of(commit.tmp)
         self.step = step
         self.entries: dict[str, Entry] = {}
-        self._final = commit.final
+        self._tmp, self._final = commit.tmp, commit.final
 
     def file(self, name: str) -> str:
-        """The path of ``name`` inside the temporary step directory."""
-        return os.path.join(self.path, check_name(name, "file name"))
+        """The path (or URL) of ``name`` inside the step directory being written."""
+        return name_of(join(self._tmp, check_name(name, "file name")))
 
     def save(self, obj: Any, name: str) -> str:
         """Write ``obj`` as ``name``: bytes and str as they are, anything else with ``torch.save``. A failed write
         raises its ``OSError`` naming the file as it will be once committed, and the rank."""
-        path = self.file(name)
+        place = join(self._tmp, check_name(name, "file name"))
         raw = obj.encode() if isinstance(obj, str) else obj
         try:
-            with atomic_write(path) as f:
+            with open_for_commit(place) as f:
                 whole = ChecksummingWriter(f)
                 if isinstance(raw, (bytes, bytearray, memoryview)):
                     whole.write(raw)
                 else:  # torch.save + ranksafe footer, as files.atomic_save writes it
                     save_with_footer(obj, whole)
         except OSError as e:
-            raise error_naming_target(e, f"cannot save step {self.step}:", os.path.join(self._final, name)) from e
+            final = name_of(join(self._final, name))
+            raise error_naming_target(e, f"cannot save step {self.step}:", final) from e
         self.entries[name] = (whole.length, whole.crc)
-        return path
+        return name_of(place)
 
 
 def _shard(rank: int) -> str:
@@ -321,6 +134,10 @@ class CheckpointManager:
     :class:`~ranksafe.StateDictLock` the training loop holds around the optimizer step, so that a snapshot
     taken from another thread never sees a half-updated state. Call :meth:`check` regularly and
     :meth:`close` at the end of training.
+
+    ``root`` may be a URL of remote storage (``s3://bucket/run``; ``storage_options`` for its fsspec file
+    system): every rank shares it, rank 0 writes, and a step is committed by its manifest, written last
+    (:mod:`ranksafe.commit`). :meth:`warmup` checks before training that the root can be written.
     """
 
     def __init__(
@@ -332,13 +149,21 @@ class CheckpointManager:
         timeout: float | None = None,
         async_save: bool = False,
         lock: StateDictLock | None = None,
+        storage_options: dict[str, Any] | None = None,
     ):
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise ValueError(f"keep must be a positive int or None, not {keep!r}")
         check_name(prefix + "0", "step prefix")
         if storage not in ("auto", "shared", "local"):
             raise ValueError(f"storage must be 'auto', 'shared' or 'local', not {storage!r}")
-        self.root = os.path.abspath(local_path(root))
+        if remote.is_url(root):
+            if storage == "local":
+                raise ValueError(f"{remote.where(root)}: remote storage is shared by every rank, not storage='local'")
+            self._base: Place = Remote.of(root, storage_options)
+        else:
+            self._base = os.path.abspath(local_path(root))
+        self.root = name_of(self._base)
+        self.storage_options = storage_options
         self.keep, self.storage, self.prefix, self.timeout = keep, storage, prefix, timeout
         self.loaded_step: int | None = None  # the step the last load() returned (after any fallback)
         self._loading: set[int] = set()
@@ -361,12 +186,47 @@ class CheckpointManager:
 
     @property
     def placement(self) -> Placement:
-        """Who writes under ``root`` (a collective the first time, with ``storage="auto"``)."""
+        """Who writes under ``root`` (a collective the first time, with ``storage="auto"``; remote storage is
+        shared by every rank: rank 0 writes)."""
+        if isinstance(self._base, Remote):
+            return Placement("shared", topology.is_main(), None)
         return placement(self.root, self.storage, self.timeout)
 
+    def _place(self, step: int) -> Place:
+        return join(self._base, f"{self.prefix}{_check_step(step):08d}")
+
     def step_dir(self, step: int) -> str:
-        """The committed directory of ``step`` (the same path on every rank; no file-system call)."""
-        return os.path.join(self.root, f"{self.prefix}{_check_step(step):08d}")
+        """The committed directory (or URL) of ``step`` (the same on every rank; no file-system call)."""
+        return name_of(self._place(step))
+
+    def warmup(self, example_state: Any = None) -> None:
+        """Before training, on every rank: fail now, not at the first save, when ``root`` cannot be written (a file
+        in the way, a missing permission, a bucket that does not exist or no credentials) or, on remote storage,
+        is not the same for every rank (``memory://`` lives in one process); with ``async_save``, also allocate
+        the staging buffers for ``example_state``. Collective."""
+        where, probe = self.placement, None
+        with together(f"checkpoint {self.root}: warmup", self.timeout):
+            if where.writer:
+                try:
+                    probe_write(self.root, self.storage_options)
+                    if isinstance(self._base, Remote):  # left for every rank to look for
+                        probe = self._base.child(f".ranksafe-probe-{os.getpid()}")
+                        with open_for_commit(probe) as f:
+                            f.write(b"probe")
+                except OSError as e:
+                    raise error_naming_target(e, "cannot write checkpoints to", self.root) from e
+                if self._saver is not None and example_state is not None:
+                    self._saver.staging.capture(example_state)
+        if isinstance(self._base, Remote):
+            name = broadcast(None if probe is None else probe.name, name="checkpoint warmup: probe")
+            with together(f"checkpoint {self.root}: warmup, seen by every rank", self.timeout):
+                if not self._base.child(name).exists():
+                    raise FileNotFoundError(
+                        f"{remote.where(self.root)} does not see what rank 0 wrote there: remote storage must be the "
+                        "same for every rank (memory:// lives in one process)"
+                    )
+            if probe is not None:
+                probe.remove()
 
     # -- saving ---------------------------------------------------------------------------------------
 
@@ -392,7 +252,7 @@ class CheckpointManager:
             if where.writer:
                 self._saver.wait()  # create() removes temporaries: the commit in flight must be done first
             self.check()  # a failed background commit stops every rank here, not a step later
-        commit = AtomicDir(self.step_dir(step))
+        commit = step_commit(self._place(step))
         with together(f"checkpoint {step}: create", self.timeout):
             refuse_sharded(writer_files, f"checkpoint {step}")  # every rank: the writers write theirs whole
             if where.writer:
@@ -426,7 +286,7 @@ class CheckpointManager:
                 writer_files, lambda snapshot: self._commit(commit, tx, snapshot), lambda _: self._retain(newest=step)
             )
 
-    def _commit(self, commit: AtomicDir, tx: StepWriter, writer_files: Mapping[str, Any]) -> str:
+    def _commit(self, commit: DirCommit, tx: StepWriter, writer_files: Mapping[str, Any]) -> str:
         """Writer-local, no collectives: write ``writer_files`` and commit the step; return its directory.
 
         Everything a background saver has to run for a step, once the directory is open and every rank's
@@ -438,11 +298,11 @@ class CheckpointManager:
             try:
                 commit.finalize(build_manifest(commit.tmp, tx.step, tx.entries))
             except OSError as e:
-                raise error_naming_target(e, f"cannot commit step {tx.step}:", commit.final) from e
+                raise error_naming_target(e, f"cannot commit step {tx.step}:", name_of(commit.final)) from e
         except BaseException:
             commit.abort()
             raise
-        return commit.final
+        return name_of(commit.final)
 
     def save(self, step: int, state: Any, extra_files: Mapping[str, Any] | None = None, sharded: bool = False) -> str:
         """Save ``state`` as step ``step``; collective. Returns the committed step directory.
@@ -464,30 +324,45 @@ class CheckpointManager:
     def _committed(self) -> list[int]:
         """Steps committed in this rank's copy of ``root``, oldest first (file-system calls: writers only), with
         any committed step a crash left aside put back first (:meth:`AtomicDir.recover`)."""
+        listed = self._names()
+        recovered = False
+        for m in filter(None, map(self._debris.match, listed)):
+            recovered |= step_commit(join(self._base, m.group(1))).recover()
+        if recovered:
+            listed = self._names()
+        steps = (int(m.group(1)) for m in map(self._pattern.match, listed) if m)
+        return sorted(s for s in steps if self._has_manifest(s))
+
+    def _names(self) -> list[str]:
+        """What ``root`` holds; nothing when it does not exist yet (a root that cannot be listed raises)."""
+        if isinstance(self._base, Remote):
+            return names(self._base)
         try:
-            names = os.listdir(self.root)
+            return os.listdir(self._base)
         except FileNotFoundError:
             return []
-        recovered = False
-        for m in filter(None, map(self._debris.match, names)):
-            recovered |= AtomicDir(os.path.join(self.root, m.group(1))).recover()
-        if recovered:
-            names = os.listdir(self.root)
-        steps = (int(m.group(1)) for m in map(self._pattern.match, names) if m)
-        return sorted(s for s in steps if os.path.isfile(os.path.join(self.step_dir(s), MANIFEST)))
+
+    def _has_manifest(self, step: int) -> bool:
+        manifest = join(self._place(step), MANIFEST)
+        return manifest.exists() if isinstance(manifest, Remote) else os.path.isfile(manifest)
 
     def _clean_debris(self) -> None:
         """Remove what crashed saves and deletions of this manager's steps left, once a committed step among it
-        is put back (:meth:`AtomicDir.recover`)."""
-        with contextlib.suppress(FileNotFoundError):
-            for name in os.listdir(self.root):
-                m = self._debris.match(name)
-                if m is None:
-                    continue
-                AtomicDir(os.path.join(self.root, m.group(1))).recover()
-                path = os.path.join(self.root, name)
-                if os.path.lexists(path):  # not the copy recover() just put back
-                    shutil.rmtree(path, ignore_errors=True)
+        is put back (:meth:`AtomicDir.recover`). On remote storage that is every step without its manifest."""
+        listed = self._names()
+        if isinstance(self._base, Remote):
+            for m in filter(None, map(self._pattern.match, listed)):
+                if not self._has_manifest(int(m.group(1))):
+                    self._place(int(m.group(1))).remove()
+            return
+        for name in listed:
+            m = self._debris.match(name)
+            if m is None:
+                continue
+            AtomicDir(os.path.join(self._base, m.group(1))).recover()
+            path = os.path.join(self._base, name)
+            if os.path.lexists(path):  # not the copy recover() just put back
+                shutil.rmtree(path, ignore_errors=True)
 
     def _retain(self, newest: int) -> None:
         if self.keep is None:
@@ -496,9 +371,7 @@ class CheckpointManager:
         for step in committed[: -self.keep]:
             if step == newest or step in self._loading:
                 continue
-            doomed = AtomicDir(self.step_dir(step))
-            os.rename(doomed.final, doomed.tmp)  # no longer committed before its files go
-            shutil.rmtree(doomed.tmp, ignore_errors=True)
+            step_commit(self._place(step)).delete()  # no longer committed before its files go
 
     # -- loading --------------------------------------------------------------------------------------
 
@@ -561,8 +434,8 @@ class CheckpointManager:
                 warnings.warn(f"{bad}; falling back to step {previous}", RuntimeWarning, stacklevel=2)
             result = None
             with together(f"checkpoint {s}: load", self.timeout):
-                path = os.path.join(self.step_dir(s), _shard(topology.rank()) if sharded else STATE)
-                result = load_file(path, map_location=map_location, weights_only=weights_only)
+                path = join(self._place(s), _shard(topology.rank()) if sharded else STATE)
+                result = load_file(name_of(path), map_location, weights_only, storage_options=self.storage_options)
         finally:
             self._loading.difference_update(candidates)
         self.loaded_step = s
@@ -611,7 +484,7 @@ class CheckpointManager:
         exc = None
         if self.placement.writer:
             try:
-                verify_step(self.step_dir(step))
+                verify_step(self._place(step))
             except Exception as e:  # whatever the writer met, every rank must hear of it in the exchange below
                 exc = e
         try:

@@ -12,7 +12,8 @@ import os
 import sys
 import time
 
-from .checkpoint import MANIFEST, list_steps, verify_step
+from . import remote
+from .commit import MANIFEST, list_steps, verify_step
 from .errors import CorruptCheckpoint, UntrustedCheckpoint
 from .files import load_file, verify_file
 
@@ -25,27 +26,49 @@ def _size(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def _file_size(path: str) -> int:
+    if remote.is_url(path):
+        target = remote.Remote.of(path)
+        return target.fs.size(target.path)
+    return os.path.getsize(path)
+
+
+def _kind(path: str) -> str:
+    """``file``, ``step`` (a step directory: it holds a manifest), ``root`` (it holds step directories) or
+    ``directory``; for local paths and URLs alike."""
+    if remote.is_url(path):
+        target = remote.Remote.of(path)
+        if target.fs.isfile(target.path):
+            return "file"
+        listed = target.names()
+        return "step" if MANIFEST in listed else "root" if list_steps(path) else "directory"
+    if not os.path.isdir(path):
+        return "file"
+    return "step" if os.path.exists(os.path.join(path, MANIFEST)) else "root" if list_steps(path) else "directory"
+
+
 def verify(path: str) -> int:
     """Check a checkpoint file (footer, or zip structure for stock files) or a step directory (manifest)."""
     try:
-        if os.path.isdir(path) and not os.path.exists(os.path.join(path, MANIFEST)) and list_steps(path):
+        kind = _kind(path)
+        if kind == "root":
             print(
                 f"BAD {path}: a checkpoint root, not a step: `ranksafe ls {path} --deep` checks every step",
                 file=sys.stderr,
             )
             return 1
-        if os.path.isdir(path):
+        if kind != "file":
             manifest = verify_step(path, deep=True)
             files = manifest["files"]
             total = sum(meta["size"] for meta in files.values())
             print(f"OK {path}: step {manifest.get('step')}, {len(files)} files, {_size(total)}, checksums verified")
         elif verify_file(path):
-            print(f"OK {path}: {_size(os.path.getsize(path))}, crc32 verified")
+            print(f"OK {path}: {_size(_file_size(path))}, crc32 verified")
         else:  # a stock torch.save file: only a full read can check it
             with contextlib.suppress(UntrustedCheckpoint):  # readable, holds pickled objects: still sound
                 load_file(path, verify=False)
-            print(f"OK {path}: {_size(os.path.getsize(path))}, no ranksafe footer, archive readable")
-    except (CorruptCheckpoint, OSError) as e:
+            print(f"OK {path}: {_size(_file_size(path))}, no ranksafe footer, archive readable")
+    except (CorruptCheckpoint, OSError, ValueError) as e:
         print(f"BAD {e}", file=sys.stderr)
         return 1
     return 0
@@ -53,17 +76,17 @@ def verify(path: str) -> int:
 
 def ls(root: str, deep: bool) -> int:
     """List the step directories under ``root`` with their status, size and time; exit 1 if one is corrupt."""
-    if not os.path.isdir(root):
+    if not remote.is_url(root) and not os.path.isdir(root):
         print(f"BAD {root}: not a directory", file=sys.stderr)
         return 1
     try:
         steps = list_steps(root, deep=deep)
-    except OSError as e:
+    except (OSError, ValueError) as e:
         print(f"BAD {root}: {e}", file=sys.stderr)
         return 1
     print(f"{'step':>10}  {'status':<10}  {'size':>10}  {'time':<19}  path")
     for s in steps:
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(s.time))
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(s.time)) if s.time else "-"
         print(f"{s.step:>10}  {s.status:<10}  {_size(s.size):>10}  {when:<19}  {s.path}")
         if s.error:
             print(f"{'':>10}  {s.error}")

@@ -112,9 +112,11 @@ class Remote:
         """The names directly below this URL (none when there is nothing there)."""
         try:
             entries = self.fs.ls(self.path, detail=False, refresh=True)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return []
-        return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries} - {""})
+        base = self.path.rstrip("/") + "/"
+        inside = (e.rstrip("/") for e in entries)
+        return sorted(e[len(base) :] for e in inside if e.startswith(base) and "/" not in e[len(base) :])
 
     def remove(self) -> None:
         """Remove the object, or everything below this URL; nothing there is no error."""

@@ -1,0 +1,371 @@
+"""Step directories that appear complete or not at all: the two commit protocols, the manifest, and reading a root
+without collectives.
+
+A step directory holds the files of one checkpoint and ``MANIFEST.json`` (every file's size and CRC32), written
+last. How it becomes visible depends on where it lives:
+
+==================  =====================================  ============================================
+                    :class:`AtomicDir` (a file system)      :class:`ObjectDir` (remote storage, a URL)
+==================  =====================================  ============================================
+files are written   into a hidden temporary sibling        straight under the step's prefix
+commit              manifest, then one rename              the manifest, written last, is the marker
+replace a step      old one moved aside, then removed      old manifest removed first, then its files
+crash before it     the temporary is debris                files without a manifest are debris
+debris is removed   by the writer's next save              by the writer's next save
+==================  =====================================  ============================================
+
+Object stores have no rename, so a step there is committed by its manifest (Orbax's protocol for GCS): a step
+without its manifest is not committed, whatever else is there, and ``latest``, ``load`` and retention never see
+it. The one thing a rename gives that a marker does not: replacing a committed step with the same number leaves,
+if the writer dies half-way, no copy of that step on remote storage (the earlier steps stay).
+
+Everyone can derive every path from the final one without a file-system call; only the writer creates, commits,
+aborts and recovers. :func:`verify_step` and :func:`list_steps` read a root without collectives (for
+``ranksafe verify`` and ``ranksafe ls``, and for humans).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import time
+import zlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import IO, Any, Literal, Protocol
+
+from . import remote
+from .errors import CorruptCheckpoint
+from .files import TMP_SUFFIX, atomic_write, fsync_dir, local_path, make_dirs
+from .remote import Remote
+
+MANIFEST = "MANIFEST.json"
+FORMAT = "ranksafe-step/1"
+_CHUNK = 8 << 20
+
+Status = Literal["committed", "incomplete", "corrupt"]
+Entry = tuple[int, int]  # size, crc32
+Place = str | Remote  # a local path, or a URL resolved to its file system
+
+
+def check_name(name: str, what: str = "name") -> str:
+    """Return ``name`` if it is one plain path component that stays inside its directory, else raise."""
+    if not isinstance(name, str) or not name or name in (".", "..") or name.startswith("."):
+        raise ValueError(f"{what} {name!r} must be a non-empty name that does not start with '.'")
+    if "/" in name or "\0" in name or (os.altsep and os.altsep in name) or os.sep in name:
+        raise ValueError(f"{what} {name!r} must not contain path separators")
+    return name
+
+
+def join(place: Place, name: str) -> Place:
+    """``name`` inside ``place`` ('/'-separated relative names)."""
+    return place.child(name) if isinstance(place, Remote) else os.path.join(place, *name.split("/"))
+
+
+def name_of(place: Place) -> str:
+    """The path or URL of ``place``, for messages and for the calls that take one."""
+    return place.url if isinstance(place, Remote) else place
+
+
+class DirCommit(Protocol):
+    """What :class:`~ranksafe.CheckpointManager` needs of a commit protocol (see the module's table)."""
+
+    final: Place  # the committed directory
+    tmp: Place  # where every rank writes the step's files before the commit
+
+    def create(self) -> None: ...
+    def finalize(self, manifest: Mapping[str, Any]) -> None: ...
+    def abort(self) -> None: ...
+    def recover(self) -> bool: ...
+    def delete(self) -> None: ...
+
+
+class AtomicDir:
+    """The commit protocol on a file system: temporary sibling, manifest written last, rename into place.
+
+    * ``AtomicDir(final)`` on every rank: both paths are derived from the final one, no file-system call;
+    * ``create()`` on the writer only: removes the debris of an earlier crashed attempt, makes the temporary;
+    * every rank may now write into ``tmp``;
+    * ``finalize(manifest)`` on the writer only, after every rank is done: writes the manifest atomically,
+      fsyncs, renames the temporary to the final name (an existing final directory is moved aside first
+      and removed after) and fsyncs the parent;
+    * ``abort()`` on the writer only: removes the temporary.
+
+    A crash at any point leaves either the old committed directory (moved aside, if the crash came between the
+    two renames: :meth:`recover` puts it back) or none, plus hidden debris that the next save removes.
+    """
+
+    PARTIAL, OLD = ".ranksafe-partial", ".ranksafe-old"
+
+    def __init__(self, final: str | os.PathLike):
+        self.final = os.path.abspath(os.fspath(final))
+        self.parent, self.name = os.path.split(self.final)
+        self.tmp = os.path.join(self.parent, f".{self.name}{self.PARTIAL}")
+        self._old = os.path.join(self.parent, f".{self.name}{self.OLD}")
+
+    def create(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        make_dirs(self.parent)
+        os.mkdir(self.tmp)
+
+    def finalize(self, manifest: Mapping[str, Any]) -> None:
+        with atomic_write(os.path.join(self.tmp, MANIFEST), "w") as f:
+            json.dump(manifest, f, indent=1)
+        fsync_dir(self.tmp)
+        replaced = os.path.isdir(self.final)
+        if replaced:
+            shutil.rmtree(self._old, ignore_errors=True)
+            os.rename(self.final, self._old)
+        os.rename(self.tmp, self.final)
+        fsync_dir(self.parent)
+        if replaced:
+            shutil.rmtree(self._old, ignore_errors=True)
+
+    def abort(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def recover(self) -> bool:
+        """Put the committed directory back where a crash left it aside: between the two renames of
+        :meth:`finalize` replacing it, only the old copy (moved aside) and the new one (still temporary) exist.
+        True if it did; the new copy stays debris, as it would be had the crash come before the renames."""
+        if os.path.isdir(self._old) and not os.path.exists(self.final):
+            os.rename(self._old, self.final)
+            return True
+        return False
+
+    def delete(self) -> None:
+        """Retention: the directory stops being committed (renamed to a temporary) before its files go."""
+        os.rename(self.final, self.tmp)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+class ObjectDir:
+    """The commit protocol on remote storage: the step's files under its own prefix, the manifest last.
+
+    Same calls as :class:`AtomicDir`; ``tmp`` is the final prefix itself. ``create()`` removes what an earlier
+    attempt left there, uncommitting a step saved again first (its manifest goes before its files).
+    """
+
+    def __init__(self, final: Remote):
+        self.final = self.tmp = final
+
+    def create(self) -> None:
+        self.delete()
+
+    def finalize(self, manifest: Mapping[str, Any]) -> None:
+        with open_for_commit(self.final.child(MANIFEST)) as f:
+            f.write(json.dumps(manifest, indent=1).encode())
+
+    def abort(self) -> None:
+        self.final.remove()
+
+    def recover(self) -> bool:
+        return False  # nothing is ever moved aside
+
+    def delete(self) -> None:
+        """No longer committed (the manifest goes first), then the files."""
+        self.final.child(MANIFEST).remove()
+        self.final.remove()
+
+
+def open_for_commit(place: Place) -> contextlib.AbstractContextManager[IO[bytes]]:
+    """A file written at ``place`` that appears complete or not at all (:func:`~ranksafe.files.atomic_write`, or
+    one upload on remote storage: :func:`~ranksafe.remote.commit_object`)."""
+    return remote.commit_object(place) if isinstance(place, Remote) else atomic_write(place)
+
+
+def step_commit(final: Place) -> DirCommit:
+    """The commit protocol for a step directory at ``final``."""
+    return ObjectDir(final) if isinstance(final, Remote) else AtomicDir(final)
+
+
+def _crc_file(place: Place) -> Entry:
+    if isinstance(place, Remote):
+        data = place.read()
+        return len(data), zlib.crc32(data)
+    crc, size = 0, 0
+    with open(place, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+            size += len(chunk)
+        os.fsync(f.fileno())  # side files written with a plain open(): make them durable before the commit
+    return size, crc
+
+
+def _walk(directory: Place) -> Iterator[str]:
+    """Relative paths ('/'-separated) of the files under ``directory``, except the manifest and temporaries."""
+    if isinstance(directory, Remote):
+        base = directory.path + "/"
+        names = (p[len(base) :] for p in directory.fs.find(directory.path) if p.startswith(base))
+        yield from sorted(n for n in names if n != MANIFEST and not n.endswith(TMP_SUFFIX))
+        return
+    for here, dirs, files in os.walk(directory):
+        dirs.sort()
+        for name in sorted(files):
+            rel = os.path.relpath(os.path.join(here, name), directory).replace(os.sep, "/")
+            if rel != MANIFEST and not name.endswith(TMP_SUFFIX):
+                yield rel
+
+
+def _size(place: Place) -> int:
+    return place.fs.size(place.path) if isinstance(place, Remote) else os.stat(place).st_size
+
+
+def build_manifest(directory: Place, step: int, known: Mapping[str, Entry]) -> dict[str, Any]:
+    """The manifest of ``directory``: every file's size and CRC32 (from ``known`` when the writer reported it)."""
+    files = {}
+    for rel in _walk(directory):
+        size, crc = known[rel] if rel in known else _crc_file(join(directory, rel))
+        files[rel] = {"size": size, "crc32": f"{crc:08x}"}
+    return {"format": FORMAT, "step": step, "time": time.time(), "files": files}
+
+
+def _resolve(place: str | os.PathLike | Remote, storage_options: dict[str, Any] | None) -> Place:
+    if isinstance(place, Remote):
+        return place
+    return Remote.of(place, storage_options) if remote.is_url(place) else local_path(place)
+
+
+def read_manifest(
+    step_dir: str | os.PathLike | Remote, storage_options: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The manifest of a committed step directory; :class:`CorruptCheckpoint` if missing or unreadable."""
+    step_dir = _resolve(step_dir, storage_options)
+    path = join(step_dir, MANIFEST)
+    try:
+        if isinstance(path, Remote):
+            manifest = json.loads(path.read())
+        else:
+            with open(path) as f:
+                manifest = json.load(f)
+    except FileNotFoundError:
+        there = bool(step_dir.names()) if isinstance(step_dir, Remote) else os.path.isdir(step_dir)
+        if not there:
+            raise FileNotFoundError(f"no step directory {name_of(step_dir)}") from None
+        raise CorruptCheckpoint(name_of(path), "no manifest: the save never committed") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CorruptCheckpoint(name_of(path), f"unreadable manifest ({e})") from e
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not (isinstance(files, dict) and manifest.get("format") == FORMAT):
+        raise CorruptCheckpoint(name_of(path), f"not a {FORMAT} manifest")
+    for rel, meta in files.items():  # valid JSON is not a sound manifest: a flipped bit can rename a key
+        if not (_inside(rel) and isinstance(meta, dict) and _is_size(meta.get("size")) and _is_crc(meta.get("crc32"))):
+            raise CorruptCheckpoint(name_of(path), f"damaged manifest entry {rel!r}: {meta!r}"[:300])
+    return manifest
+
+
+def _inside(rel: str) -> bool:
+    """Whether a manifest's file name is a relative path that stays inside the step directory."""
+    return all(part not in ("", ".", "..") for part in rel.split("/"))
+
+
+def _is_size(size: Any) -> bool:
+    return type(size) is int and size >= 0
+
+
+def _is_crc(crc: Any) -> bool:
+    return isinstance(crc, str) and re.fullmatch("[0-9a-f]{8}", crc) is not None
+
+
+def verify_step(
+    step_dir: str | os.PathLike | Remote, deep: bool = True, storage_options: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Check every file of a step directory against its manifest; return the manifest.
+
+    Raises :class:`CorruptCheckpoint` naming the first bad file (missing, wrong size, or with ``deep``
+    wrong CRC32), and ``FileNotFoundError`` when the directory does not exist. No collectives. ``step_dir`` may
+    be a URL of remote storage (``storage_options`` for its file system).
+    """
+    step_dir = _resolve(step_dir, storage_options)
+    manifest = read_manifest(step_dir)
+    for rel, meta in manifest["files"].items():
+        place = join(step_dir, rel)
+        try:
+            size = _size(place)
+        except FileNotFoundError:
+            raise CorruptCheckpoint(name_of(place), "missing (listed in the manifest)") from None
+        if size != meta["size"]:
+            raise CorruptCheckpoint(name_of(place), f"size is {size} bytes, the manifest says {meta['size']}")
+        if deep:
+            crc = _crc_file(place)[1]
+            if f"{crc:08x}" != meta["crc32"]:
+                raise CorruptCheckpoint(
+                    name_of(place), f"checksum mismatch (crc32 {crc:08x}, manifest says {meta['crc32']})"
+                )
+    return manifest
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """One step directory as :func:`list_steps` sees it."""
+
+    step: int
+    path: str
+    status: Status
+    size: int  # bytes of the files found
+    time: float  # commit time from the manifest, else the directory's modification time
+    error: str | None = None
+
+
+def step_pattern(prefix: str) -> re.Pattern[str]:
+    """Names of step directories: ``prefix`` and digits, or the hidden temporary of one (``.step_7.ranksafe-partial``).
+    Group 1: the hidden dot; group 2: the step; group 3: the temporary's suffix."""
+    return re.compile(rf"^(\.)?{re.escape(prefix)}(\d+)({re.escape(AtomicDir.PARTIAL)})?$")
+
+
+def list_steps(
+    root: str | os.PathLike, prefix: str = "step_", deep: bool = False, storage_options: dict[str, Any] | None = None
+) -> list[StepInfo]:
+    """Every step directory under ``root``, oldest first, as committed, incomplete or corrupt. No collectives.
+
+    A step that disappears while it is being looked at (retention, a commit renaming it) is left out. ``root``
+    may be a URL of remote storage.
+    """
+    base = _resolve(root, storage_options)
+    pattern = step_pattern(prefix)
+    out = []
+    for name in names(base):
+        m = pattern.match(name)
+        if not m or bool(m.group(1)) != bool(m.group(3)):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            out.append(_step_info(join(base, name), int(m.group(2)), bool(m.group(3)), deep))
+    return sorted(out, key=lambda s: (s.step, s.status != "committed"))
+
+
+def _step_info(place: Place, step: int, partial: bool, deep: bool) -> StepInfo:
+    size = sum(_size(join(place, rel)) for rel in _walk(place))
+    status: Status = "committed"
+    error, when = None, _mtime(place)
+    if partial or not _exists(join(place, MANIFEST)):
+        status = "incomplete"  # a save in progress, a crashed one, or a directory that never committed
+    else:
+        try:
+            written = verify_step(place, deep=deep).get("time")
+            when = written if isinstance(written, (int, float)) else when
+        except CorruptCheckpoint as e:
+            status, error = "corrupt", str(e)
+    return StepInfo(step, name_of(place), status, size, when, error)
+
+
+def names(directory: Place) -> list[str]:
+    """The names in ``directory``, sorted; none when it does not exist."""
+    if isinstance(directory, Remote):
+        return directory.names()
+    try:
+        return sorted(os.listdir(directory))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _exists(place: Place) -> bool:
+    return place.exists() if isinstance(place, Remote) else os.path.isfile(place)
+
+
+def _mtime(place: Place) -> float:
+    if isinstance(place, Remote):
+        return 0.0  # a prefix has no time of its own: the manifest's is used once there is one
+    return os.stat(place).st_mtime
