@@ -28,7 +28,6 @@ from __future__ import annotations
 import functools
 import os
 import shutil
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -52,30 +51,6 @@ def _is_local(path: _PATH) -> bool:
 def _local_path(path: _PATH) -> str:
     path = str(path)
     return path[len("file://") :] if path.startswith("file://") else path
-
-
-class _InFlight:
-    """One background save and what waits for its commit (removals, links); settled once, by the writer thread."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self.outcome: str = "running"  # then "committed" or "failed"
-        self.after: list[Callable[[], None]] = []
-        self._lock = threading.Lock()  # the training thread defers, the writer thread settles
-
-    def defer(self, action: Callable[[], None]) -> str:
-        """Queue ``action`` for after the commit; return the outcome seen ("running": queued)."""
-        with self._lock:
-            if self.outcome == "running":
-                self.after.append(action)
-            return self.outcome
-
-    def settle(self, committed: bool) -> list[Callable[[], None]]:
-        """Record the outcome; return the actions to run now, in order (none when the save failed)."""
-        with self._lock:
-            self.outcome = "committed" if committed else "failed"
-            after, self.after = self.after, []
-        return after if committed else []
 
 
 def link(filepath: str, linkpath: str) -> None:
@@ -115,13 +90,13 @@ class RankSafeCheckpointIO(CheckpointIO):
         self.async_save = async_save
         self._saver: AsyncSaver | None = None
         self._lock: StateDictLock | None = None
-        self._last: _InFlight | None = None  # the latest background save
+        self._latest: str | None = None  # the path of the latest background save
         self._torn_down = False  # teardown ran: later saves are synchronous until RankSafe reopens
         self._agreed_check = False  # a RankSafe callback reports failures on every rank
 
     def __getstate__(self) -> dict[str, Any]:
         """``ddp_spawn`` pickles the plugin with the Trainer: threads and locks stay behind."""
-        return {**self.__dict__, "_saver": None, "_lock": None, "_last": None}
+        return {**self.__dict__, "_saver": None, "_lock": None, "_latest": None}
 
     @property
     def lock(self) -> StateDictLock:
@@ -153,7 +128,6 @@ class RankSafeCheckpointIO(CheckpointIO):
             raise ValueError(f"{type(self).__name__} writes local files only, not {path}")
         path = os.path.abspath(_local_path(path))
         if not self.async_save or self._torn_down:
-            self._last = None
             self._write(checkpoint, path)
             return
         self.wait()
@@ -163,22 +137,8 @@ class RankSafeCheckpointIO(CheckpointIO):
             make_dirs(os.path.dirname(path))
         except OSError as e:
             raise error_naming_target(e, "cannot save checkpoint", path) from e
-        flight = _InFlight(path)
-
-        def write(snapshot: dict[str, Any]) -> str:
-            try:
-                self._write(snapshot, path)
-            except BaseException:
-                flight.settle(committed=False)  # the removals it made way for are dropped
-                raise
-            for action in flight.settle(committed=True):
-                action()
-            return path
-
-        # the previous write (if any) is joined inside submit, its removals done, before this one starts
-        self._last = flight
-        if not self.saver.submit(checkpoint, write):  # the snapshot failed: recorded for check()
-            flight.settle(committed=False)
+        self._latest = path  # a failed snapshot is recorded for check(), and drops what waits for it
+        self.saver.submit(checkpoint, functools.partial(self._write, path=path))
 
     def _write(self, checkpoint: dict[str, Any], path: str) -> None:
         """The commit itself, on the calling thread or the background one."""
@@ -203,8 +163,7 @@ class RankSafeCheckpointIO(CheckpointIO):
         if not _is_local(path):
             raise ValueError(f"{type(self).__name__} reads local files only, not {path}")
         path = _local_path(path)
-        flight = self._last
-        if flight is not None and flight.outcome == "running" and flight.path == os.path.abspath(path):
+        if self.writing(path):
             self.wait()
         if not os.path.exists(path):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
@@ -212,8 +171,8 @@ class RankSafeCheckpointIO(CheckpointIO):
 
     def writing(self, path: _PATH) -> bool:
         """Whether a background write to ``path`` is in flight (the file is not there yet). Local."""
-        flight = self._last
-        return flight is not None and flight.outcome == "running" and flight.path == os.path.abspath(_local_path(path))
+        in_flight = self._saver is not None and self._saver.in_flight
+        return in_flight and self._latest == os.path.abspath(_local_path(path))
 
     def remove_checkpoint(self, path: _PATH) -> None:
         """Remove ``path`` (a file or a directory); a missing path is not an error, as in stock Lightning.
@@ -221,24 +180,28 @@ class RankSafeCheckpointIO(CheckpointIO):
         While a background save is in flight the removal waits for its commit, and is dropped if that save
         fails: whatever the removal made way for never arrived, so the old checkpoint stays.
         """
-        flight = self._last
-        if flight is not None and flight.defer(functools.partial(self._remove, path)) != "committed":
-            return  # "running": done by the writer thread after the commit; "failed": dropped
-        self._remove(path)
+        if self._deferring:
+            self.saver.after_commit(functools.partial(self._remove, path))
+        else:
+            self._remove(path)
 
     def link_checkpoint(self, filepath: str, linkpath: str) -> None:
         """Point ``linkpath`` at ``filepath`` (:func:`link`); local. When ``filepath`` is still being written,
         the link is made after its commit, and not at all if that write fails: the old link stays."""
-        flight = self._last
-        deferred = flight is not None and flight.path == os.path.abspath(_local_path(filepath))
-        if deferred and flight.defer(functools.partial(link, filepath, linkpath)) != "committed":  # type: ignore[union-attr]
-            return  # "running": made by the writer thread after the commit; "failed": the old link stays
-        link(filepath, linkpath)
+        if self._deferring and self._latest == os.path.abspath(_local_path(filepath)):
+            self.saver.after_commit(functools.partial(link, filepath, linkpath))
+        else:
+            link(filepath, linkpath)
 
     def _remove(self, path: _PATH) -> None:
         fs = get_filesystem(path)
         if fs.exists(path):
             fs.rm(path, recursive=True)
+
+    @property
+    def _deferring(self) -> bool:
+        """Whether removals and links wait for the latest background save (made in this run, before teardown)."""
+        return self.async_save and not self._torn_down and self._saver is not None
 
     def wait(self) -> None:
         """Block until the background write in flight (if any) has committed or failed. Local."""
