@@ -57,22 +57,17 @@ def _async_io(trainer: pl.Trainer) -> RankSafeCheckpointIO | None:
 class RankSafe(Callback):
     """Make Lightning checkpointing safe under DDP: ``Trainer(callbacks=[RankSafe(), ModelCheckpoint(...)])``.
 
-    During ``fit``, ``validate``, ``test`` and ``predict``:
+    During ``fit``, ``validate``, ``test`` and ``predict`` (from ``setup`` to ``teardown``):
 
-    * the strategy's ``save_checkpoint`` / ``remove_checkpoint`` / ``load_checkpoint`` (ModelCheckpoint's and
-      user code's) run inside :class:`ranksafe.together`: a failure on the writing rank is raised on every rank
-      as :class:`~ranksafe.RankFailure` naming it, instead of leaving the others in a barrier until the timeout;
-    * every rank loads the checkpoint path rank 0 chose (``ckpt_path="last"`` is resolved on each rank before the
-      process group exists), and a corrupt file raises :class:`~ranksafe.CorruptCheckpoint` on every rank;
-    * ModelCheckpoint and EarlyStopping read their monitored metric through :class:`MonitorAgreement`, so a metric
-      logged without ``sync_dist=True`` gives one decision and one file name on every rank;
-    * an exception on one rank is posted with :func:`ranksafe.abort`: ranks waiting in a ranksafe collective raise
-      within seconds;
+    * the strategy's ``save_checkpoint`` / ``remove_checkpoint`` / ``load_checkpoint`` share their outcome: a
+      failed write on rank 0 is a :class:`~ranksafe.RankFailure` on every rank, not a hang in a barrier;
+    * every rank loads the path rank 0 chose (``ckpt_path="last"`` is resolved per rank), and a corrupt file
+      raises :class:`~ranksafe.CorruptCheckpoint` on every rank;
+    * ModelCheckpoint and EarlyStopping read their monitored metric through :class:`MonitorAgreement`: one
+      decision and one file name on every rank, even without ``sync_dist=True``;
+    * an exception on one rank is posted with :func:`ranksafe.abort`, so the others raise within seconds;
     * with ``RankSafeCheckpointIO(async_save=True)``: the optimizer step holds the write side of the plugin's
-      :class:`~ranksafe.StateDictLock`, a background failure is raised on every rank at the end of the training
-      step, a load waits for the write in flight, and ``on_fit_end`` reports the last write's outcome.
-
-    Pair it with ``plugins=[RankSafeCheckpointIO()]`` for atomic, fsynced, checksummed files.
+      lock, a background failure is raised on every rank at the end of the step, loads wait for the write.
 
     Args:
         overwrite: empty every ModelCheckpoint directory before training (collectively, by rank 0 only,
