@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
 from ranksafe.lightning import RankSafe, RankSafeCheckpointIO, compat
-from ranksafe.lightning.wrapped import Wrapped
+from ranksafe.lightning.wrapped import Wrapped, unwrap, wrap
 from tests.test_lightning import Model, _loader
 
 
@@ -142,3 +142,64 @@ def test_a_model_checkpoint_stand_in_without_dirpath_does_not_break_fit_start(tm
     trainer.fit(Model(), _loader(), _loader())
     assert trainer.global_step == 4 and trainer.checkpoint_callback is stand_in
     assert stand_in.on_fit_start.call_count == 1  # Lightning ran it: the stand-in stood in for the whole fit
+
+
+class Thing:
+    """A framework object: a method and a staticmethod (as ModelCheckpoint._link_checkpoint is)."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def step(self, x: int) -> int:
+        self.steps += 1
+        return x + 1
+
+    @staticmethod
+    def link(a: str, b: str) -> str:
+        return f"{a}->{b}"
+
+
+class Around:
+    """What RankSafe is to the wrappers: a picklable object whose bound methods they call."""
+
+    def plus_ten(self, original, x):
+        return original(x) + 10
+
+    def shout(self, original, a, b):
+        return original(a, b).upper()
+
+
+class NaiveWrapper:
+    """The control: keeps the replaced method as a bound method."""
+
+    def __init__(self, obj, name):
+        self.original = getattr(obj, name)
+        vars(obj)[name] = self
+
+    def __call__(self, *args):
+        return self.original(*args) + 10
+
+
+def test_wrap_pickles_calls_the_class_method_after_unpickling_never_wraps_twice_and_unwraps():
+    # control: a bound method pickles as getattr(obj, name); unpickled from the wrapper, that is the wrapper itself
+    naive = NaiveWrapper(Thing(), "step")
+    copy = pickle.loads(pickle.dumps(naive))
+    assert copy.original is copy
+    with pytest.raises(RecursionError):
+        copy(1)
+
+    thing, around = Thing(), Around()
+    stock = set(vars(thing))
+    wrap(thing, "step", around.plus_ten)
+    wrap(thing, "link", around.shout)
+    assert (thing.step(1), thing.link("a", "b")) == (12, "A->B")
+    wrapper = pickle.loads(pickle.dumps(vars(thing)["step"]))  # the wrapper first, as in the control
+    assert wrapper(1) == 12 and wrapper.obj.step(1) == 12
+    wrap(wrapper.obj, "step", around.plus_ten)  # setup again on the copy: the wrapper is replaced, not wrapped
+    assert wrapper.obj.step(1) == 12
+    unwrap(thing)
+    unwrap(wrapper.obj)
+    assert set(vars(thing)) == stock and (thing.step(1), thing.link("a", "b")) == (2, "a->b")
+    assert set(vars(wrapper.obj)) == stock
+    with pytest.raises(AttributeError, match="missing"):
+        wrap(thing, "missing", around.plus_ten)
