@@ -163,10 +163,13 @@ class RankSafe(Callback):
     # -- hooks ----------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Runs on every rank once the process group exists, before any checkpoint is loaded or saved."""
-        shared = _shared()
         self._io = _async_io(trainer)
         if self._io is not None:
             self._io._attach()
+        self._wrap_strategy(trainer, _shared())
+        self._wrap_callbacks(trainer, _shared())
+
+    def _wrap_strategy(self, trainer: pl.Trainer, shared: bool) -> None:
         strategy = trainer.strategy
         if shared:
             wrap(strategy, "save_checkpoint", functools.partial(self._together, "Trainer.save_checkpoint"))
@@ -177,6 +180,8 @@ class RankSafe(Callback):
             wrap(strategy, "optimizer_step", self._holding_locks)
         if shared or self.resume:
             wrap(compat.checkpoint_connector(trainer), "resume_start", functools.partial(self._resume_start, trainer))
+
+    def _wrap_callbacks(self, trainer: pl.Trainer, shared: bool) -> None:
         monitors = [cb for cb in trainer.callbacks if isinstance(cb, (EarlyStopping, Checkpoint))]
         self._after_monitors = self.manager is not None and bool(monitors)
         if self._after_monitors:
@@ -200,8 +205,7 @@ class RankSafe(Callback):
                 continue
             dirpath = os.fspath(dirpath)
             # ckpt_path="last" is resolved by each rank on its own: agree before taking a collective branch
-            resuming_here = self.overwrite and agree(_inside(trainer.ckpt_path, dirpath), "any", name="resume dir")
-            if self.overwrite and not resuming_here:
+            if self.overwrite and not agree(_inside(trainer.ckpt_path, dirpath), "any", name="resume dir"):
                 prepare_dir(dirpath, overwrite=True)
             elif self.overwrite and topology.is_main():
                 warnings.warn(f"RankSafe(overwrite=True) keeps {dirpath}: the run resumes from it", stacklevel=2)
