@@ -2,7 +2,8 @@
 
 From ``setup`` to ``teardown`` (or ``on_exception``) it wraps a few methods of the Trainer's strategy, checkpoint
 connector and monitoring callbacks (:mod:`.wrapped`: picklable, removed at the end of the run, success or failure);
-the private ones are named in :mod:`.compat`. In a single process only what keeps files whole is wrapped.
+the private ones are named in :mod:`.compat`. In a single process nothing is shared: only what the plugin, the
+manager and ``save_last="link"`` need is wrapped.
 """
 
 from __future__ import annotations

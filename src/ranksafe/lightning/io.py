@@ -100,7 +100,8 @@ class RankSafeCheckpointIO(CheckpointIO):
             )
         path = os.path.abspath(local_path(path))
         if not self.async_save or self._torn_down:
-            return self._write(checkpoint, path)
+            self._write(checkpoint, path)
+            return
         self.wait()
         if self.saver.failed:  # never commit past a failed write: last.ckpt would name a top-k file that never came
             raise self.saver.take_error()  # type: ignore[misc]
@@ -114,7 +115,7 @@ class RankSafeCheckpointIO(CheckpointIO):
     def _write(self, checkpoint: dict[str, Any], path: str) -> None:
         """The commit itself, on the calling thread or the background one."""
         try:
-            make_dirs(os.path.dirname(path))
+            make_dirs(os.path.dirname(os.path.abspath(path)))
             atomic_save(checkpoint, path)
         except OSError as e:  # name the checkpoint, not the temporary file the error speaks of
             raise error_naming_target(e, "cannot save checkpoint", path) from e
