@@ -173,6 +173,71 @@ def test_on_commit_runs_after_the_commit_so_retention_never_removes_the_last_che
     assert os.listdir(tmp_path) == ["2.pt"]
 
 
+def _failing_writer(gate: threading.Event):
+    def write(obj):
+        assert gate.wait(10)
+        raise OSError(28, "No space left on device (injected)")
+
+    return write
+
+
+def test_after_commit_waits_for_the_write_in_flight_and_is_dropped_when_it_fails(tmp_path):
+    """Removing the previous checkpoint right after submitting the next one (the naive order) leaves no checkpoint
+    when the write fails; ``after_commit`` removes it only once the new one is committed, and never after a failure."""
+    spare, old, new, newer = (str(tmp_path / f"{name}.pt") for name in ("spare", "old", "new", "newer"))
+    atomic_save({"step": 1}, old)
+
+    # control: the removal runs at submit time; the write fails, and no checkpoint is left
+    naive, gate = AsyncSaver(), threading.Event()
+    naive.submit(_state(n=2), _failing_writer(gate))
+    os.unlink(old)
+    gate.set()
+    naive.wait()
+    assert naive.failed and os.listdir(tmp_path) == []
+    naive.take_error()
+
+    saver, gate, ran = AsyncSaver(), threading.Event(), []
+
+    def removing(path):  # records where it runs and what is on disk then, and removes ``path``
+        def remove():
+            ran.append((os.path.basename(path), threading.current_thread().name, sorted(os.listdir(tmp_path))))
+            os.unlink(path)
+
+        return remove
+
+    atomic_save({"step": 0}, spare)
+    assert saver.after_commit(removing(spare)) and ran == [("spare.pt", "MainThread", ["spare.pt"])]  # no write yet
+    atomic_save({"step": 1}, old)
+    assert saver.submit(_state(n=2), _gated_writer(gate, new))
+    assert saver.after_commit(removing(old))  # queued
+    assert len(ran) == 1 and os.listdir(tmp_path) == ["old.pt"]
+    gate.set()
+    saver.wait()
+    assert ran[1] == ("old.pt", "ranksafe-async-save", ["new.pt", "old.pt"])  # on the writer thread, after the commit
+    assert os.listdir(tmp_path) == ["new.pt"]
+
+    gate.clear()
+    saver.submit(_state(n=2), _failing_writer(gate))
+    assert saver.after_commit(removing(new))  # queued, then dropped with the write
+    gate.set()
+    saver.wait()
+    assert saver.after_commit(removing(new)) is False  # the latest write failed: dropped at once
+    assert len(ran) == 2 and os.listdir(tmp_path) == ["new.pt"]  # one checkpoint left, where the control had none
+    with pytest.raises(OSError, match="injected"):
+        saver.check()
+    assert saver.after_commit(removing(new)) is False  # reported, but still the latest write
+
+    saver.save(_state(n=2), newer)
+    saver.wait()
+    assert saver.after_commit(removing(new)) and ran[2][:2] == ("new.pt", "MainThread")  # committed: at once
+    freed = torch.zeros(4)
+    freed.untyped_storage().resize_(0)  # the snapshot itself fails: nothing is handed to the writer thread
+    assert saver.save({"w": freed}, str(tmp_path / "freed.pt")) is False and saver.failed
+    assert saver.after_commit(removing(newer)) is False and os.listdir(tmp_path) == ["newer.pt"]
+    saver.take_error()
+    saver.shutdown()
+
+
 def test_calls_that_wait_for_the_write_refuse_to_run_inside_it_instead_of_hanging(tmp_path):
     refused = {}
     saver = AsyncSaver()

@@ -57,6 +57,8 @@ def start(out: Path, *flags: str, script: Path = SCRIPT) -> Run:
 
 def finish(run: Run, timeout: float = DEADLINE) -> Run:
     """Wait for the run (rank 1 holds the output pipe too, so this waits for both ranks), then kill leftovers."""
+    if run.proc.returncode is not None:  # finished before
+        return run
     try:
         run.output = run.proc.communicate(timeout=timeout)[0].decode(errors="replace")
     except subprocess.TimeoutExpired:
@@ -98,6 +100,14 @@ def test_write_failure_on_rank0_raises_on_every_rank_within_5s(tmp_path, after_f
     # the monitored value was agreed before the save: every rank names the same checkpoint
     assert ranks[0]["best_model_path"] == ranks[1]["best_model_path"]
     assert not list(run.ckpt_dir.glob("*.ckpt")) and not list(run.ckpt_dir.glob(".*"))
+    # what RankSafe wrapped pickles wherever stock Lightning's objects do, and is gone after the failure
+    stock = finish(stock_controls[after_fail])
+    for r, result in enumerate(ranks):
+        ours_and_stock = [(result["pickled"][k], stock.rank(r)["pickled"].get(k, "ok")) for k in result["pickled"]]
+        assert all(ours == "ok" for ours, theirs in ours_and_stock if theirs == "ok"), (r, result["pickled"])
+        for name in ("ModelCheckpoint", "EarlyStopping", "RankSafe", "checkpoint_io"):
+            assert result["pickled"][name] == "ok", (r, name, result["pickled"][name])
+        assert result["attributes"] == stock.rank(r)["attributes"], r
 
 
 def test_stock_lightning_control_hangs_or_loses_the_cause(stock_controls):
@@ -139,6 +149,12 @@ def test_sigkill_mid_save_keeps_previous_checkpoint_then_resume_from_last(tmp_pa
     for result in (r0, r1):
         assert result["error"] is None
         assert result["ckpt_path"] == str(last) and result["start_step"] == 4 and result["global_step"] == 8
+        for name in ("ModelCheckpoint", "EarlyStopping", "RankSafe", "checkpoint_io"):  # pickled during fit
+            assert result["pickled"][name] == "ok", (name, result["pickled"][name])
+        # nothing of RankSafe's is left on the strategy, the connector or the callbacks after fit
+        wrapped = {"save_checkpoint", "remove_checkpoint", "load_checkpoint", "resume_start", "_link_checkpoint"}
+        wrapped |= {"_monitor_candidates", "_evaluate_stopping_criteria", "on_train_epoch_end", "file_exists"}
+        assert not wrapped & {name for names in result["attributes"].values() for name in names}
     # agreed metric: identical best path, top-k and EarlyStopping state on both ranks, and the files exist
     assert (r0["best_model_path"], r0["best_k"], r0["es_best"]) == (r1["best_model_path"], r1["best_k"], r1["es_best"])
     assert r0["es_best"] == pytest.approx(7.25)  # mean of the ranks' 7.0 and 7.5

@@ -21,6 +21,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterable
+from enum import Enum
 from queue import SimpleQueue
 from typing import Any, Literal
 
@@ -104,6 +105,42 @@ class ParkedThread:
         _stop(self._jobs, self._thread, self._guard, join=True)
 
 
+class WriteState(Enum):
+    """This rank's latest background write, as :meth:`AsyncSaver.after_commit` sees it."""
+
+    COMMITTED = "committed"  # or no write yet: an action runs at once
+    IN_FLIGHT = "in flight"  # an action waits for the commit, and is dropped if the write fails
+    FAILED = "failed"  # an action is dropped: what it made way for never arrived
+
+
+class _AfterCommit:
+    """The actions waiting for the write in flight; the training thread adds, the writer thread settles."""
+
+    def __init__(self) -> None:
+        self.state = WriteState.COMMITTED
+        self._actions: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
+
+    def add(self, action: Callable[[], None]) -> WriteState:
+        """Queue ``action`` if a write is in flight; return the state it was added in."""
+        with self._lock:
+            if self.state is WriteState.IN_FLIGHT:
+                self._actions.append(action)
+            return self.state
+
+    def start(self) -> None:
+        """A write was handed to the writer thread."""
+        with self._lock:
+            self.state, self._actions = WriteState.IN_FLIGHT, []
+
+    def settle(self, committed: bool) -> list[Callable[[], None]]:
+        """Record the write's outcome; return the actions to run now (none when it failed)."""
+        with self._lock:
+            self.state = WriteState.COMMITTED if committed else WriteState.FAILED
+            actions, self._actions = self._actions, []
+        return actions if committed else []
+
+
 class AsyncSaver:
     """Save checkpoints from a background thread; at most one write in flight.
 
@@ -121,8 +158,9 @@ class AsyncSaver:
             rank may call :meth:`save`; on the others it does nothing.
         name: names the collectives of this saver (every rank must use the same).
 
-    Local calls (any rank, any time): :meth:`save`, :meth:`submit`, :meth:`wait`, :meth:`shutdown`,
-    :attr:`failed`. Collectives (every rank, same order): :meth:`warmup`, :meth:`check`, :meth:`close`.
+    Local calls (any rank, any time): :meth:`save`, :meth:`submit`, :meth:`after_commit`, :meth:`wait`,
+    :meth:`shutdown`, :attr:`failed`. Collectives (every rank, same order): :meth:`warmup`, :meth:`check`,
+    :meth:`close`.
 
     Thread: one writer, started by :meth:`warmup` or the first save and parked between saves;
     :meth:`close` or :meth:`shutdown` stops it, and a later save starts it again.
@@ -161,6 +199,7 @@ class AsyncSaver:
         self._submitter: int | None = None  # the thread inside submit(): a signal handler there must not wait
         self._handing = False  # between _idle.clear() and the job reaching the writer thread
         self._error_lock = threading.Lock()  # the writer thread records, check() takes: never lose one
+        self._after_commit = _AfterCommit()  # a forked child has no write in flight
 
     # -- local ---------------------------------------------------------------------------------------
     @property
@@ -235,12 +274,15 @@ class AsyncSaver:
                     captured = self.staging.capture(state)
         except Exception as e:  # reported on every rank by the next check(), like a failed write
             self._record(e)
+            self._after_commit.settle(committed=False)
             return False
         self._handing = True
         self._idle.clear()
+        self._after_commit.start()
         try:
             self._worker.hand(functools.partial(self._write, captured, write_fn, callbacks))
         except BaseException:  # no thread to run it (e.g. at interpreter shutdown): nothing is in flight
+            self._after_commit.settle(committed=False)
             self._idle.set()
             raise
         finally:
@@ -270,14 +312,35 @@ class AsyncSaver:
             )
 
     def _write(self, captured: Captured, write_fn: Callable[[Any], Any], callbacks: list[OnCommit]) -> None:
+        committed = False
         try:
             result = write_fn(captured.assemble())  # assembled here: the caller is not kept waiting for it
+            committed = True
+            waiting = self._after_commit.settle(committed=True)
             for cb in callbacks:
                 cb(result)
+            for action in waiting:
+                action()
         except BaseException as e:
+            if not committed:
+                self._after_commit.settle(committed=False)
             self._record(e)
         finally:
             self._idle.set()
+
+    def after_commit(self, action: Callable[[], None]) -> bool:
+        """Run ``action`` once this rank's latest background write has committed; local.
+
+        While that write is in flight, ``action`` waits for it and runs on the writer thread after the commit
+        (after the ``on_commit`` callbacks), or is dropped if the write fails; otherwise it runs now, unless that
+        write failed. For what a new checkpoint makes way for: removing the one it replaces, or a link to it.
+        A save the ``"skip"`` policy dropped, or a rank that is not a writer, makes no write. Returns False when
+        ``action`` was dropped now; an error it raises on the writer thread is reported as the write's.
+        """
+        state = self._after_commit.add(action)
+        if state is WriteState.COMMITTED:
+            action()
+        return state is not WriteState.FAILED
 
     def _record(self, e: BaseException) -> None:
         with self._error_lock:

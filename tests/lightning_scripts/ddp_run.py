@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import errno
+import io
 import json
 import os
+import pickle
 import signal
 import time
 from datetime import timedelta
@@ -34,7 +36,7 @@ from lightning.pytorch.plugins import TorchCheckpointIO  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 
 import ranksafe.files  # noqa: E402
-from ranksafe.lightning import RankSafe, RankSafeCheckpointIO  # noqa: E402
+from ranksafe.lightning import RankSafe, RankSafeCheckpointIO, compat  # noqa: E402
 
 CKPT_DIR = os.path.join(args.out, "ckpts")
 
@@ -95,11 +97,41 @@ def _arm_kill(path: str) -> None:
     ranksafe.files.ChecksummingWriter.write = write_then_die
 
 
+def picklable(objects: dict) -> dict:
+    """Whether each object pickles with pickle and with torch.save: "ok", or the error."""
+    outcome = {}
+    for name, obj in objects.items():
+        try:
+            pickle.dumps(obj)
+            torch.save(obj, io.BytesIO())
+            outcome[name] = "ok"
+        except Exception as e:
+            outcome[name] = repr(e)
+    return outcome
+
+
+def ranksafe_touches(trainer: pl.Trainer) -> dict:
+    """The objects whose methods RankSafe wraps during a run."""
+    return {
+        "strategy": trainer.strategy,
+        "connector": compat.checkpoint_connector(trainer),
+        "ModelCheckpoint": trainer.checkpoint_callback,
+        "EarlyStopping": trainer.early_stopping_callback,
+    }
+
+
 class Probe(pl.Callback):
     start_step = None
+    pickled: dict = {}  # while training, RankSafe's wrappers installed
 
     def on_train_start(self, trainer, pl_module):
         Probe.start_step = trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == Probe.start_step + 1:
+            rank_safe = [cb for cb in trainer.callbacks if isinstance(cb, RankSafe)]
+            io_plugin = trainer.strategy.checkpoint_io
+            Probe.pickled = picklable({**ranksafe_touches(trainer), "RankSafe": rank_safe, "checkpoint_io": io_plugin})
 
 
 def loader():
@@ -138,7 +170,8 @@ def main() -> None:
         result.update(
             rank=rank, t_raised=time.time(), start_step=Probe.start_step, global_step=trainer.global_step,
             best_model_path=checkpoint.best_model_path, best_k=sorted(checkpoint.best_k_models),
-            es_best=float(stopping.best_score), ckpt_path=str(trainer.ckpt_path),
+            es_best=float(stopping.best_score), ckpt_path=str(trainer.ckpt_path), pickled=Probe.pickled,
+            attributes={name: sorted(vars(obj)) for name, obj in ranksafe_touches(trainer).items()},
         )  # fmt: skip
         record(f"rank{rank}", **result)
         if rank == 0 and result["error"] and args.after_fail == "stay":  # keep rank 0's process alive

@@ -1,42 +1,21 @@
 """``RankSafe``: the Lightning callback that turns a failed or diverging checkpoint step into one error on all ranks.
 
-Lightning's ``Trainer.save_checkpoint`` runs on every rank, lets global rank 0 write, then waits in a
-barrier: when rank 0's write raises, rank 0 never reaches the barrier and the others wait until the
-process-group timeout (30 minutes by default), or die with gloo's "Connection closed by peer" once rank 0
-exits, never learning why. From ``setup`` on, this callback guards the strategy of its Trainer:
-
-* ``save_checkpoint`` / ``remove_checkpoint`` run inside :class:`ranksafe.together`: the writer's outcome
-  reaches every rank at once, and a failure is raised on all ranks as :class:`~ranksafe.RankFailure`
-  naming the rank and its error. This covers ModelCheckpoint and ``trainer.save_checkpoint`` from user code.
-* ``load_checkpoint`` loads the path rank 0 chose (``ckpt_path="last"`` is resolved on each rank, before
-  the process group exists, from file modification times) and shares the outcome: a corrupt file raises
-  :class:`~ranksafe.CorruptCheckpoint` on every rank, not on some while the others train on.
-* ModelCheckpoint and EarlyStopping read their monitored metric through :class:`MonitorAgreement`, so a
-  metric logged without ``sync_dist=True`` gives one decision and one file name on every rank.
-* An exception on one rank (``on_exception``) is posted with :func:`ranksafe.abort`: ranks waiting in a
-  ranksafe collective raise within seconds instead of waiting for the timeout.
-* With ``RankSafeCheckpointIO(async_save=True)``: the optimizer step holds the write side of the plugin's
-  :class:`~ranksafe.StateDictLock`, every training step ends with the plugin's agreed
-  :meth:`~ranksafe.lightning.RankSafeCheckpointIO.check` (a background failure is raised on every rank
-  within one step), a load first waits for the write in flight, and ``on_fit_end`` (after the plugin's
-  teardown waited for the last write) checks once more.
-* With ``checkpoint_dir``: the Trainer's full checkpoint goes into a :class:`~ranksafe.CheckpointManager`
-  every ``every_n_epochs`` epochs (atomic step directories, retention, a copy on every node under
-  node-local storage), and ``resume=True`` starts ``fit`` from the latest step committed on every node.
-
-In a single process nothing is wrapped: behaviour and files are stock Lightning's.
+From ``setup`` to ``teardown`` (or ``on_exception``) it wraps a few methods of the Trainer's strategy, checkpoint
+connector and monitoring callbacks (:mod:`.wrapped`: picklable, removed at the end of the run, success or failure);
+the private ones are named in :mod:`.compat`. In a single process nothing is shared: only what the plugin, the
+manager and ``save_last="link"`` need is wrapped.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.callbacks import Callback, Checkpoint, EarlyStopping, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 
@@ -48,10 +27,10 @@ from ..files import clean_orphans
 from ..saving import prepare_dir
 from ..snapshot import StateDictLock
 from ..storage import Storage
+from . import compat
 from .io import RankSafeCheckpointIO, link
 from .monitor import MonitorAgreement, MonitorOp
-
-_GUARDED = "_ranksafe_guarded"
+from .wrapped import unwrap, wrap
 
 
 def _shared() -> bool:
@@ -66,151 +45,30 @@ def _inside(path: Any, directory: str) -> bool:
     return os.path.commonpath([path, directory]) == directory
 
 
-def _find_io(checkpoint_io: CheckpointIO | None) -> RankSafeCheckpointIO | None:
-    """The RankSafeCheckpointIO in the strategy's plugin, looking inside wrappers (``AsyncCheckpointIO``)."""
-    seen = 0
-    while checkpoint_io is not None and seen < 8:
-        if isinstance(checkpoint_io, RankSafeCheckpointIO):
-            return checkpoint_io
-        checkpoint_io, seen = getattr(checkpoint_io, "checkpoint_io", None), seen + 1
-    return None
-
-
 def _async_io(trainer: pl.Trainer) -> RankSafeCheckpointIO | None:
-    io = _find_io(trainer.strategy.checkpoint_io)
-    return io if io is not None and io.async_save else None
-
-
-def _guard_strategy(trainer: pl.Trainer, callback: RankSafe) -> None:
-    """Wrap the strategy's save/remove/load so that their outcome is shared by every rank."""
-    strategy = trainer.strategy
-    if getattr(strategy, _GUARDED, False):
-        return
-    save, remove, load = strategy.save_checkpoint, strategy.remove_checkpoint, strategy.load_checkpoint
-    timeout = callback.timeout
-
-    def save_checkpoint(checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        if not _shared():
-            return save(checkpoint, filepath, storage_options=storage_options)
-        with together("Trainer.save_checkpoint", timeout):
-            save(checkpoint, filepath, storage_options=storage_options)
-
-    def remove_checkpoint(filepath: Any) -> None:
-        if not _shared():
-            return remove(filepath)
-        with together("Trainer.remove_checkpoint", timeout):
-            remove(filepath)
-
-    def load_checkpoint(checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        if not _shared():
-            step = callback._managed_step(checkpoint_path)
-            if step is not None:
-                return callback.manager.load(step, weights_only=weights_only)  # type: ignore[union-attr]
-            return load(checkpoint_path, weights_only=weights_only)
-        io = _async_io(trainer)
-        if io is not None:  # the file may be the one rank 0 is still writing: every rank waits for it
-            io.wait()
-            io.check()
-        chosen = broadcast(checkpoint_path, name="Trainer.load_checkpoint path", timeout=timeout)
-        if os.fspath(chosen) != os.fspath(checkpoint_path):
-            warnings.warn(
-                f"rank {topology.rank()} resolved the checkpoint to {checkpoint_path}, rank 0 to {chosen}; "
-                "every rank loads rank 0's choice",
-                stacklevel=2,
-            )
-            trainer._checkpoint_connector._ckpt_path = chosen
-        step = callback._managed_step(chosen)
-        if step is not None:  # verified against its manifest on every node, the outcome agreed
-            return callback.manager.load(step, weights_only=weights_only)  # type: ignore[union-attr]
-        result: dict[str, Any] = {}
-        with together("Trainer.load_checkpoint", timeout):
-            result = load(chosen, weights_only=weights_only)
-        return result
-
-    strategy.save_checkpoint = save_checkpoint
-    strategy.remove_checkpoint = remove_checkpoint
-    strategy.load_checkpoint = load_checkpoint
-    setattr(strategy, _GUARDED, True)
-
-
-def _wrap_once(obj: Any, method: str, wrap: Callable[[Callable], Callable]) -> None:
-    if method not in vars(obj):  # not yet wrapped on this instance
-        setattr(obj, method, wrap(getattr(obj, method)))
-
-
-def _counting_writes_in_flight(checkpoint: ModelCheckpoint, io: RankSafeCheckpointIO) -> Callable[[Callable], Callable]:
-    """``ModelCheckpoint.file_exists`` that counts a file still being written in the background as existing.
-
-    ModelCheckpoint names a new version (``ckpt-v1.ckpt``) when the name it wants exists; with background writes
-    the previous file does not exist yet when the next save asks, so the next save took the same name and
-    overwrote it. Same collective as Lightning's: rank 0 (the writer) decides, every rank learns the answer.
-    """
-
-    def wrap(_: Callable) -> Callable:
-        def file_exists(filepath: Any, trainer: pl.Trainer) -> bool:
-            mine = trainer.is_global_zero and (io.writing(filepath) or checkpoint._fs.exists(filepath))
-            return trainer.strategy.reduce_boolean_decision(bool(mine), all=False)
-
-        return file_exists
-
-    return wrap
-
-
-def _linking(timeout: float | None) -> Callable[[Callable], Callable]:
-    """``ModelCheckpoint._link_checkpoint`` (``save_last="link"``) made safe: with background writes the link
-    to a file still being written is made after its commit (and not at all if the write fails, so the old link
-    stays); the link replaces the old one atomically; and rank 0's outcome reaches every rank instead of the
-    stock barrier, which left the others waiting when the link failed."""
-
-    def wrap(_: Callable) -> Callable:
-        def link_checkpoint(trainer: pl.Trainer, filepath: str, linkpath: str) -> None:
-            shared = together("ModelCheckpoint link", timeout) if _shared() else contextlib.nullcontext()
-            with shared:
-                if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
-                    io = _async_io(trainer)
-                    if io is not None:
-                        io.link_checkpoint(filepath, linkpath)
-                    else:
-                        link(filepath, linkpath)
-
-        return link_checkpoint
-
-    return wrap
-
-
-def _then(after: Callable[[pl.Trainer], None]) -> Callable[[Callable], Callable]:
-    """An ``on_train_epoch_end`` followed by ``after(trainer)``."""
-
-    def wrap(hook: Callable) -> Callable:
-        def on_train_epoch_end(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-            hook(trainer, pl_module)
-            after(trainer)
-
-        return on_train_epoch_end
-
-    return wrap
-
-
-def _holding(locks: list[StateDictLock]) -> Callable[[Callable], Callable]:
-    """``optimizer_step`` wrapped in the write side of ``locks``: no snapshot sees weights mid-update."""
-
-    def wrap(step: Callable) -> Callable:
-        def optimizer_step(*args: Any, **kwargs: Any) -> Any:
-            with contextlib.ExitStack() as held:
-                for lock in locks:
-                    held.enter_context(lock.write())
-                return step(*args, **kwargs)
-
-        return optimizer_step
-
-    return wrap
+    """The strategy's RankSafeCheckpointIO if it saves in the background, also inside ``AsyncCheckpointIO``."""
+    io = trainer.strategy.checkpoint_io
+    for _ in range(8):  # wrappers keep the plugin they wrap as ``checkpoint_io``
+        if isinstance(io, RankSafeCheckpointIO):
+            return io if io.async_save else None
+        io = getattr(io, "checkpoint_io", None)
+    return None
 
 
 class RankSafe(Callback):
     """Make Lightning checkpointing safe under DDP: ``Trainer(callbacks=[RankSafe(), ModelCheckpoint(...)])``.
 
-    Pair it with ``plugins=[RankSafeCheckpointIO()]`` for atomic, fsynced, checksummed files, or
-    ``RankSafeCheckpointIO(async_save=True)`` to write them in the background.
+    During ``fit``, ``validate``, ``test`` and ``predict`` (from ``setup`` to ``teardown``):
+
+    * the strategy's ``save_checkpoint`` / ``remove_checkpoint`` / ``load_checkpoint`` share their outcome: a
+      failed write on rank 0 is a :class:`~ranksafe.RankFailure` on every rank, not a hang in a barrier;
+    * every rank loads the path rank 0 chose (``ckpt_path="last"`` is resolved per rank), and a corrupt file
+      raises :class:`~ranksafe.CorruptCheckpoint` on every rank;
+    * ModelCheckpoint and EarlyStopping read their monitored metric through :class:`MonitorAgreement`: one
+      decision and one file name on every rank, even without ``sync_dist=True``;
+    * an exception on one rank is posted with :func:`ranksafe.abort`, so the others raise within seconds;
+    * with ``RankSafeCheckpointIO(async_save=True)``: the optimizer step holds the write side of the plugin's
+      lock, a background failure is raised on every rank at the end of the step, loads wait for the write.
 
     Args:
         overwrite: empty every ModelCheckpoint directory before training (collectively, by rank 0 only,
@@ -220,23 +78,19 @@ class RankSafe(Callback):
             ``sync_dist=True`` would log), ``"main"`` (rank 0's), ``"max"`` or ``"min"``.
         timeout: seconds a rank waits for the others in a shared save/load (default: ranksafe's,
             ``RANKSAFE_TIMEOUT`` or 30 minutes); past it every rank raises :class:`~ranksafe.BarrierTimeout`.
-        checkpoint_dir: save the Trainer's full checkpoint (what ``trainer.save_checkpoint`` writes: weights,
-            optimizers, loops, callbacks) at the end of every ``every_n_epochs``-th training epoch into a
-            :class:`~ranksafe.CheckpointManager` under this directory. The step number is
-            ``trainer.global_step`` (optimizer steps so far), so it grows across epochs and resumed runs. The
-            save comes right after the last ModelCheckpoint's or EarlyStopping's ``on_train_epoch_end`` (which
-            Lightning runs after every other callback's): their state in the step is that of this epoch, as in a
-            ModelCheckpoint file saved then.
+        checkpoint_dir: save the Trainer's full checkpoint (what ``trainer.save_checkpoint`` writes) at the end of
+            every ``every_n_epochs``-th training epoch into a :class:`~ranksafe.CheckpointManager` under this
+            directory, as step ``trainer.global_step``. The save comes right after the last ModelCheckpoint's or
+            EarlyStopping's ``on_train_epoch_end`` (Lightning runs those last), so their state is this epoch's.
         keep: committed steps to keep under ``checkpoint_dir`` (``None``: all).
         every_n_epochs: save every this many epochs.
         storage: ``"auto"`` probes whether ``checkpoint_dir`` is shared by every rank or local to each node
             (then every node keeps its own copy); ``"shared"`` / ``"local"`` say so.
         resume: ``trainer.fit(model)`` without ``ckpt_path`` starts from the latest step committed on every
-            node (:meth:`latest_checkpoint`), or from scratch when there is none. An explicit ``ckpt_path``
-            wins.
-        async_save: the manager commits each step in the background (``CheckpointManager(async_save=True)``):
-            the epoch end waits only for the snapshot; a failed commit is raised on every rank at the end of
-            the next training step, and ``on_fit_end`` waits for the last one.
+            node (:meth:`latest_checkpoint`), or from scratch when there is none. An explicit ``ckpt_path`` wins.
+        async_save: the manager commits each step in the background: the epoch end waits only for the snapshot,
+            a failed commit is raised on every rank at the end of the next training step, and ``on_fit_end``
+            waits for the last one.
     """
 
     def __init__(
@@ -302,65 +156,66 @@ class RankSafe(Callback):
         if self.manager is None or path is None or "://" in str(path):
             return None
         step_dir, name = os.path.split(os.path.abspath(os.fspath(path)))
-        root, step_name = os.path.split(step_dir)
-        digits = step_name[len(self.manager.prefix) :]
-        if name != STATE or root != self.manager.root or not digits.isdigit():
-            return None
-        return int(digits) if self.manager.step_dir(int(digits)) == step_dir else None
+        digits = os.path.basename(step_dir)[len(self.manager.prefix) :]
+        if name == STATE and digits.isdigit() and self.manager.step_dir(int(digits)) == step_dir:
+            return int(digits)
+        return None
 
+    # -- hooks ----------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Runs on every rank once the process group exists, before any checkpoint is loaded or saved."""
-        _guard_strategy(trainer, self)
         self._io = _async_io(trainer)
         if self._io is not None:
             self._io._attach()
-        locks = [self._io.lock] if self._io is not None else []
-        if self._async_manager:
-            locks.append(self.lock)
-        if locks:
-            _wrap_once(trainer.strategy, "optimizer_step", _holding(locks))
-        if self.resume:
-            _wrap_once(trainer._checkpoint_connector, "_restore_modules_and_callbacks", self._resuming(trainer))
-        if self.manager is not None:
-            # Lightning runs the monitoring callbacks' epoch end after every other callback's, and ModelCheckpoint
-            # and EarlyStopping update their state there: saved in this callback's own, the step held their state
-            # of the epoch before (a resumed ModelCheckpoint lost track of its newest top-k file)
-            monitors = [cb for cb in trainer.callbacks if isinstance(cb, (EarlyStopping, Checkpoint))]
-            self._after_monitors = bool(monitors)
-            if monitors:
-                _wrap_once(monitors[-1], "on_train_epoch_end", _then(self._save_step))
-        for cb in trainer.checkpoint_callbacks:
+        self._wrap_strategy(trainer, _shared())
+        self._wrap_callbacks(trainer, _shared())
+
+    def _wrap_strategy(self, trainer: pl.Trainer, shared: bool) -> None:
+        strategy = trainer.strategy
+        if shared:
+            wrap(strategy, "save_checkpoint", functools.partial(self._together, "Trainer.save_checkpoint"))
+            wrap(strategy, "remove_checkpoint", functools.partial(self._together, "Trainer.remove_checkpoint"))
+        if shared or self.manager is not None:
+            wrap(strategy, "load_checkpoint", self._load)
+        if self._io is not None or self._async_manager:
+            wrap(strategy, "optimizer_step", self._holding_locks)
+        if shared or self.resume:
+            wrap(compat.checkpoint_connector(trainer), "resume_start", functools.partial(self._resume_start, trainer))
+
+    def _wrap_callbacks(self, trainer: pl.Trainer, shared: bool) -> None:
+        monitors = [cb for cb in trainer.callbacks if isinstance(cb, (EarlyStopping, Checkpoint))]
+        self._after_monitors = self.manager is not None and bool(monitors)
+        if self._after_monitors:
+            wrap(monitors[-1], "on_train_epoch_end", self._then_save_step)
+        for cb in monitors:
+            monitor = getattr(cb, "monitor", None)  # a stand-in (a Mock with a spec) may have none
             if isinstance(cb, ModelCheckpoint):
-                _wrap_once(cb, "_link_checkpoint", _linking(self.timeout))
-                if self._io is not None and self._io.async_save:
-                    _wrap_once(cb, "file_exists", _counting_writes_in_flight(cb, self._io))
-        if not _shared():
-            return
-        for cb in trainer.callbacks:
-            if isinstance(cb, ModelCheckpoint) and cb.monitor:
-                _wrap_once(cb, "_monitor_candidates", lambda f, m=cb.monitor: self.monitors.wrap_candidates(f, m))
-            elif isinstance(cb, EarlyStopping):
-                _wrap_once(cb, "_evaluate_stopping_criteria", lambda f, m=cb.monitor: self.monitors.wrap_criteria(f, m))
+                wrap(cb, compat.LINK_CHECKPOINT, self._link)
+                if self._io is not None:
+                    wrap(cb, "file_exists", self._file_exists)
+                if shared and monitor:
+                    wrap(cb, compat.MONITOR_CANDIDATES, functools.partial(self.monitors.candidates, monitor))
+            elif isinstance(cb, EarlyStopping) and shared:
+                wrap(cb, compat.STOPPING_CRITERIA, functools.partial(self.monitors.criteria, monitor))
 
-    def _resuming(self, trainer: pl.Trainer) -> Callable[[Callable], Callable]:
-        """The connector's restore, with ``ckpt_path=None`` replaced by the agreed latest step (fit only)."""
-
-        def wrap(restore: Callable) -> Callable:
-            def restore_latest(checkpoint_path: Any = None, weights_only: bool | None = None) -> None:
-                fitting = trainer.state.fn == TrainerFn.FITTING  # the same on every rank
-                if checkpoint_path is None and fitting:  # every rank is here, inside the process group
-                    checkpoint_path = self.latest_checkpoint()
-                return restore(checkpoint_path, weights_only)
-
-            return restore_latest
-
-        return wrap
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """ModelCheckpoint resolved its directory in its own ``setup``: prepare it now, before the first save."""
+        for cb in trainer.checkpoint_callbacks:
+            dirpath = getattr(cb, "dirpath", None)  # a Checkpoint that is no ModelCheckpoint, or a stand-in
+            if not isinstance(cb, ModelCheckpoint) or not dirpath or "://" in str(dirpath):
+                continue
+            dirpath = os.fspath(dirpath)
+            # ckpt_path="last" is resolved by each rank on its own: agree before taking a collective branch
+            if self.overwrite and not agree(_inside(trainer.ckpt_path, dirpath), "any", name="resume dir"):
+                prepare_dir(dirpath, overwrite=True)
+            elif self.overwrite and topology.is_main():
+                warnings.warn(f"RankSafe(overwrite=True) keeps {dirpath}: the run resumes from it", stacklevel=2)
+            if topology.is_main():  # temporaries of writers that crashed (a killed run) go before new ones appear
+                clean_orphans(dirpath)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        """A background write that failed is raised on every rank now, not at the next save.
-
-        One exchange per step for the plugin's and the manager's savers together.
-        """
+        """A background write that failed is raised on every rank now, not at the next save: one exchange per
+        step for the plugin's and the manager's savers together."""
         savers = [self._io.saver] if self._io is not None else []
         if self._async_manager:
             savers.append(self.manager.saver)  # type: ignore[union-attr]
@@ -369,15 +224,9 @@ class RankSafe(Callback):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Every ``every_n_epochs`` epochs, the Trainer's full checkpoint becomes a committed manager step: here
-        when no monitoring callback comes after this one, else right after the last of them (see ``setup``)."""
+        when no monitoring callback runs after this one, else right after the last of them (see ``setup``)."""
         if not self._after_monitors:
             self._save_step(trainer)
-
-    def _save_step(self, trainer: pl.Trainer) -> None:
-        if self.manager is None or (trainer.current_epoch + 1) % self.every_n_epochs:
-            return
-        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)  # what save_checkpoint writes
-        self.manager.save(trainer.global_step, checkpoint)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The plugin's teardown (before this hook) waited for the last write: report its outcome everywhere."""
@@ -389,22 +238,92 @@ class RankSafe(Callback):
             self.manager.close()  # type: ignore[union-attr]  # waits for the last step's commit, then checks
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        """A rank failing alone stops the others at their current or next ranksafe collective, within seconds."""
+        """A rank failing alone stops the others at their current or next ranksafe collective, within seconds.
+        Lightning skips ``teardown`` after an exception: the wrappers go here."""
         abort(exception)
         if self.manager is not None:
             self.manager.shutdown()  # a step being committed in the background is not lost; no thread stays
+        self._unwrap(trainer)
 
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """ModelCheckpoint resolved its directory in its own ``setup``: prepare it now, before the first save."""
-        for cb in trainer.checkpoint_callbacks:
-            if not isinstance(cb, ModelCheckpoint) or not cb.dirpath or "://" in str(cb.dirpath):
-                continue
-            dirpath = os.fspath(cb.dirpath)
-            # ckpt_path="last" is resolved by each rank on its own: agree before taking a collective branch
-            resuming_here = self.overwrite and agree(_inside(trainer.ckpt_path, dirpath), "any", name="resume dir")
-            if self.overwrite and not resuming_here:
-                prepare_dir(dirpath, overwrite=True)
-            elif self.overwrite and topology.is_main():
-                warnings.warn(f"RankSafe(overwrite=True) keeps {dirpath}: the run resumes from it", stacklevel=2)
-            if topology.is_main():  # temporaries of writers that crashed (a killed run) go before new ones appear
-                clean_orphans(dirpath)
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """The strategy, connector and callbacks are stock Lightning's again."""
+        self._unwrap(trainer)
+
+    def _unwrap(self, trainer: pl.Trainer) -> None:
+        for obj in (trainer.strategy, compat.checkpoint_connector(trainer), *trainer.callbacks):
+            unwrap(obj)
+
+    def _save_step(self, trainer: pl.Trainer) -> None:
+        if self.manager is None or (trainer.current_epoch + 1) % self.every_n_epochs:
+            return
+        checkpoint = compat.checkpoint_connector(trainer).dump_checkpoint(weights_only=False)
+        self.manager.save(trainer.global_step, checkpoint)
+
+    # -- what the wrapped methods run (``original`` is the method they replace) ------------------------
+    def _together(self, name: str, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """The strategy's save or remove with its outcome shared by every rank."""
+        with together(name, self.timeout):
+            return original(*args, **kwargs)
+
+    def _load(self, original: Callable[..., Any], checkpoint_path: Any, weights_only: bool | None = None) -> Any:
+        """The strategy's load: a step of the manager is verified against its manifest on every node, a file is
+        loaded with the outcome shared; a background write in flight is waited for on every rank first."""
+        if _shared() and self._io is not None:
+            self._io.wait()
+            self._io.check()
+        step = self._managed_step(checkpoint_path)
+        if step is not None:
+            return self.manager.load(step, weights_only=weights_only)  # type: ignore[union-attr]
+        if not _shared():
+            return original(checkpoint_path, weights_only=weights_only)
+        return self._together("Trainer.load_checkpoint", original, checkpoint_path, weights_only=weights_only)
+
+    def _resume_start(
+        self, trainer: pl.Trainer, original: Callable[..., Any], checkpoint_path: Any = None, weights_only: Any = None
+    ) -> Any:
+        """The connector's ``resume_start``: every rank takes rank 0's path; ``resume=True`` fills in the latest
+        step when ``fit`` has none."""
+        if _shared():
+            chosen = broadcast(checkpoint_path, name="Trainer ckpt_path", timeout=self.timeout)
+            if str(chosen) != str(checkpoint_path):
+                warnings.warn(
+                    f"rank {topology.rank()} resolved the checkpoint to {checkpoint_path}, rank 0 to {chosen}; "
+                    "every rank loads rank 0's choice",
+                    stacklevel=2,
+                )
+            checkpoint_path = chosen
+        if checkpoint_path is None and self.resume and trainer.state.fn == TrainerFn.FITTING:
+            checkpoint_path = self.latest_checkpoint()
+        return original(checkpoint_path, weights_only)
+
+    def _holding_locks(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """The optimizer step, holding the write side of the snapshot locks: no snapshot sees weights mid-update."""
+        locks = [self._io.lock] if self._io is not None else []
+        if self._async_manager:
+            locks.append(self.lock)
+        with contextlib.ExitStack() as held:
+            for lock in locks:
+                held.enter_context(lock.write())
+            return original(*args, **kwargs)
+
+    def _link(self, original: Callable[..., Any], trainer: pl.Trainer, filepath: str, linkpath: str) -> None:
+        """ModelCheckpoint's ``save_last="link"``: the link replaces the old one atomically, waits for a background
+        write's commit (and is not made if it fails: the old link stays), and rank 0's outcome reaches every rank
+        instead of the stock barrier, which left the others waiting when the link failed."""
+        with together("ModelCheckpoint link", self.timeout) if _shared() else contextlib.nullcontext():
+            if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
+                if self._io is not None:
+                    self._io.link_checkpoint(filepath, linkpath)
+                else:
+                    link(filepath, linkpath)
+
+    def _file_exists(self, original: Callable[..., Any], filepath: Any, trainer: pl.Trainer) -> bool:
+        """``ModelCheckpoint.file_exists`` that counts a file still being written in the background as existing:
+        else the next save takes the same name (no ``-v1``) and overwrites it. Rank 0 decides, as in Lightning."""
+        mine = trainer.is_global_zero and (self._io.writing(filepath) or os.path.exists(filepath))  # type: ignore[union-attr]
+        return trainer.strategy.reduce_boolean_decision(bool(mine), all=False)
+
+    def _then_save_step(self, original: Callable[..., Any], trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The last monitoring callback's ``on_train_epoch_end``, then this epoch's manager step."""
+        original(trainer, pl_module)
+        self._save_step(trainer)

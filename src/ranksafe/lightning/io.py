@@ -1,26 +1,10 @@
 """``RankSafeCheckpointIO``: Lightning's CheckpointIO with ranksafe's atomic, checksummed files.
 
-Stock ``TorchCheckpointIO`` serialises the whole checkpoint into memory first (one extra copy of the
-model in RAM), writes the temporary file in ``$TMPDIR`` (a rename across file systems becomes a copy that a
-crash can tear) and never fsyncs. This plugin streams ``torch.save`` into a temporary file beside the
-target, fsyncs and renames it (:func:`ranksafe.files.atomic_save`), and verifies the CRC footer on load, so
-a torn or bit-flipped file raises :class:`~ranksafe.CorruptCheckpoint` instead of loading.
-
-With ``async_save=True`` the write happens on a background thread (:class:`~ranksafe.AsyncSaver`), and the
-three things stock ``AsyncCheckpointIO`` gets wrong are fixed:
-
-* removing an old checkpoint (ModelCheckpoint's top-k, ``last.ckpt``) is deferred until the save in flight
-  has committed, and dropped if that save fails: the previous checkpoint survives a failed write (stock
-  deletes it as soon as the new save is *submitted*, so a failure leaves nothing on disk);
-* a background failure is reported by :meth:`~RankSafeCheckpointIO.check`, a collective the
-  :class:`~ranksafe.lightning.RankSafe` callback calls after every training step: every rank raises it
-  within one step (stock raises it on rank 0 only, at the next save or at teardown);
-* the snapshot goes into reused staging buffers (one copy, no allocation per save), under the read side of
-  :attr:`~RankSafeCheckpointIO.lock`, whose write side RankSafe holds around the optimizer step.
-
-Saving, loading and removing are purely local: no collectives. Lightning calls them on global rank 0 only
-(``Strategy.save_checkpoint``), and under ``ddp_spawn`` from the parent process, which has no process group.
-Sharing outcomes with the other ranks is the job of the :class:`~ranksafe.lightning.RankSafe` callback.
+Stock ``TorchCheckpointIO`` serialises the whole checkpoint into memory first, writes its temporary file in
+``$TMPDIR`` (a rename across file systems is a copy a crash can tear) and never fsyncs. This plugin streams
+``torch.save`` into a temporary file beside the target, fsyncs and renames it, and verifies the CRC footer on
+load. Saving, loading and removing are local (Lightning calls them on global rank 0 only, and under
+``ddp_spawn`` from a parent without a process group); sharing outcomes is the RankSafe callback's job.
 """
 
 from __future__ import annotations
@@ -28,7 +12,6 @@ from __future__ import annotations
 import functools
 import os
 import shutil
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -38,44 +21,9 @@ from lightning.fabric.utilities.types import _PATH
 
 from .. import topology
 from ..async_save import AsyncSaver
-from ..files import atomic_save, load_file, make_dirs
+from ..files import atomic_save, load_file, local_path, make_dirs
 from ..saving import error_naming_target
 from ..snapshot import StateDictLock
-
-_MapLocation = Callable | str | dict | None
-
-
-def _is_local(path: _PATH) -> bool:
-    return "://" not in str(path) or str(path).startswith("file://")
-
-
-def _local_path(path: _PATH) -> str:
-    path = str(path)
-    return path[len("file://") :] if path.startswith("file://") else path
-
-
-class _InFlight:
-    """One background save and what waits for its commit (removals, links); settled once, by the writer thread."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self.outcome: str = "running"  # then "committed" or "failed"
-        self.after: list[Callable[[], None]] = []
-        self._lock = threading.Lock()  # the training thread defers, the writer thread settles
-
-    def defer(self, action: Callable[[], None]) -> str:
-        """Queue ``action`` for after the commit; return the outcome seen ("running": queued)."""
-        with self._lock:
-            if self.outcome == "running":
-                self.after.append(action)
-            return self.outcome
-
-    def settle(self, committed: bool) -> list[Callable[[], None]]:
-        """Record the outcome; return the actions to run now, in order (none when the save failed)."""
-        with self._lock:
-            self.outcome = "committed" if committed else "failed"
-            after, self.after = self.after, []
-        return after if committed else []
 
 
 def link(filepath: str, linkpath: str) -> None:
@@ -96,18 +44,17 @@ def link(filepath: str, linkpath: str) -> None:
 class RankSafeCheckpointIO(CheckpointIO):
     """Atomic, fsynced, checksummed checkpoint files for Lightning; ``Trainer(plugins=[RankSafeCheckpointIO()])``.
 
-    Files stay loadable by stock ``torch.load`` and ``LightningModule.load_from_checkpoint`` (the footer
-    sits after the zip archive, where ``torch.load`` does not look). Only local paths are supported: the
-    commit protocol needs ``fsync`` and an atomic rename, which object stores do not offer.
+    Files stay loadable by stock ``torch.load`` and ``LightningModule.load_from_checkpoint`` (the footer sits
+    after the zip archive). Local paths only: the commit needs ``fsync`` and an atomic rename.
 
     Args:
-        async_save: write in the background; ``save_checkpoint`` returns once the checkpoint is copied
-            into staging buffers. At most one write is in flight: a save while one is running waits for it
-            (no checkpoint is dropped). Pair it with the :class:`~ranksafe.lightning.RankSafe` callback,
-            which reports a background failure on every rank within one training step; without it, the
-            failure is raised on the writing rank at teardown, as stock ``AsyncCheckpointIO`` does.
-            Saves after the training run's teardown (``ddp_spawn``'s final hand-over, a
-            ``trainer.save_checkpoint`` after ``fit``) are synchronous: nothing would wait for them.
+        async_save: write in the background (:class:`~ranksafe.AsyncSaver`); ``save_checkpoint`` returns once
+            the checkpoint is copied into reused staging buffers, under the read side of :attr:`lock`. A save
+            while a write is in flight waits for it. Unlike stock ``AsyncCheckpointIO``, removing the previous
+            checkpoint (top-k, ``last.ckpt``) waits for the new one's commit and is dropped if it fails, and with
+            the :class:`~ranksafe.lightning.RankSafe` callback a failure is raised on every rank within one
+            training step (without it: on the writing rank, at teardown). Saves after teardown (``ddp_spawn``'s
+            hand-over, ``trainer.save_checkpoint`` after ``fit``) are synchronous: nothing would wait for them.
     """
 
     def __init__(self, async_save: bool = False) -> None:
@@ -115,13 +62,13 @@ class RankSafeCheckpointIO(CheckpointIO):
         self.async_save = async_save
         self._saver: AsyncSaver | None = None
         self._lock: StateDictLock | None = None
-        self._last: _InFlight | None = None  # the latest background save
+        self._latest: str | None = None  # the path of the latest background save
         self._torn_down = False  # teardown ran: later saves are synchronous until RankSafe reopens
         self._agreed_check = False  # a RankSafe callback reports failures on every rank
 
     def __getstate__(self) -> dict[str, Any]:
         """``ddp_spawn`` pickles the plugin with the Trainer: threads and locks stay behind."""
-        return {**self.__dict__, "_saver": None, "_lock": None, "_last": None}
+        return {**self.__dict__, "_saver": None, "_lock": None, "_latest": None}
 
     @property
     def lock(self) -> StateDictLock:
@@ -138,22 +85,21 @@ class RankSafeCheckpointIO(CheckpointIO):
             self._saver = AsyncSaver(lock=self.lock, policy="wait", writer="all", name="RankSafeCheckpointIO")
         return self._saver
 
+    @property
+    def _deferring(self) -> bool:
+        """Whether removals and links wait for the latest background save (made in this run, before teardown)."""
+        return self.async_save and not self._torn_down and self._saver is not None
+
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
         """Write ``checkpoint`` to ``path`` atomically: a reader or a crash sees the old file or the new one.
-
-        With ``async_save`` it returns once ``checkpoint`` is snapshotted; the file appears when the
-        background write commits.
-        """
+        With ``async_save`` it returns once ``checkpoint`` is snapshotted."""
         if storage_options is not None:
             raise TypeError(
                 "`Trainer.save_checkpoint(..., storage_options=...)` is not supported by "
                 f"`{type(self).__name__}`; it writes local files only"
             )
-        if not _is_local(path):
-            raise ValueError(f"{type(self).__name__} writes local files only, not {path}")
-        path = os.path.abspath(_local_path(path))
+        path = os.path.abspath(local_path(path))
         if not self.async_save or self._torn_down:
-            self._last = None
             self._write(checkpoint, path)
             return
         self.wait()
@@ -163,22 +109,8 @@ class RankSafeCheckpointIO(CheckpointIO):
             make_dirs(os.path.dirname(path))
         except OSError as e:
             raise error_naming_target(e, "cannot save checkpoint", path) from e
-        flight = _InFlight(path)
-
-        def write(snapshot: dict[str, Any]) -> str:
-            try:
-                self._write(snapshot, path)
-            except BaseException:
-                flight.settle(committed=False)  # the removals it made way for are dropped
-                raise
-            for action in flight.settle(committed=True):
-                action()
-            return path
-
-        # the previous write (if any) is joined inside submit, its removals done, before this one starts
-        self._last = flight
-        if not self.saver.submit(checkpoint, write):  # the snapshot failed: recorded for check()
-            flight.settle(committed=False)
+        self._latest = path
+        self.saver.submit(checkpoint, functools.partial(self._write, path=path))  # a failed snapshot: for check()
 
     def _write(self, checkpoint: dict[str, Any], path: str) -> None:
         """The commit itself, on the calling thread or the background one."""
@@ -191,20 +123,14 @@ class RankSafeCheckpointIO(CheckpointIO):
     def load_checkpoint(
         self,
         path: _PATH,
-        map_location: _MapLocation = lambda storage, loc: storage,
+        map_location: Callable | str | dict | None = lambda storage, loc: storage,  # as stock: on the CPU
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
-        """Verify and load ``path``; :class:`~ranksafe.CorruptCheckpoint` names a torn or corrupt file.
-
-        A background write to ``path`` still in flight is waited for first. ``weights_only=None`` leaves the
-        choice to ``torch.load``, as stock Lightning does: True, unless ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` is
-        set; a file that needs ``weights_only=False`` then raises :class:`~ranksafe.UntrustedCheckpoint` saying so.
-        """
-        if not _is_local(path):
-            raise ValueError(f"{type(self).__name__} reads local files only, not {path}")
-        path = _local_path(path)
-        flight = self._last
-        if flight is not None and flight.outcome == "running" and flight.path == os.path.abspath(path):
+        """Verify and load ``path`` (after its write in flight); a torn or corrupt file raises
+        :class:`~ranksafe.CorruptCheckpoint` naming it. ``weights_only=None`` leaves the choice to ``torch.load``,
+        as stock Lightning does; a file that needs False then raises :class:`~ranksafe.UntrustedCheckpoint`."""
+        path = local_path(path)
+        if self.writing(path):
             self.wait()
         if not os.path.exists(path):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
@@ -212,28 +138,24 @@ class RankSafeCheckpointIO(CheckpointIO):
 
     def writing(self, path: _PATH) -> bool:
         """Whether a background write to ``path`` is in flight (the file is not there yet). Local."""
-        flight = self._last
-        return flight is not None and flight.outcome == "running" and flight.path == os.path.abspath(_local_path(path))
+        in_flight = self._saver is not None and self._saver.in_flight
+        return in_flight and self._latest == os.path.abspath(local_path(path))
 
     def remove_checkpoint(self, path: _PATH) -> None:
-        """Remove ``path`` (a file or a directory); a missing path is not an error, as in stock Lightning.
-
-        While a background save is in flight the removal waits for its commit, and is dropped if that save
-        fails: whatever the removal made way for never arrived, so the old checkpoint stays.
-        """
-        flight = self._last
-        if flight is not None and flight.defer(functools.partial(self._remove, path)) != "committed":
-            return  # "running": done by the writer thread after the commit; "failed": dropped
-        self._remove(path)
+        """Remove ``path`` (a file or a directory; missing is fine, as stock). With a background save in flight,
+        after its commit, and not at all if it fails: the removal made way for a checkpoint that never came."""
+        if self._deferring:
+            self.saver.after_commit(functools.partial(self._remove, path))
+        else:
+            self._remove(path)
 
     def link_checkpoint(self, filepath: str, linkpath: str) -> None:
-        """Point ``linkpath`` at ``filepath`` (:func:`link`); local. When ``filepath`` is still being written,
-        the link is made after its commit, and not at all if that write fails: the old link stays."""
-        flight = self._last
-        deferred = flight is not None and flight.path == os.path.abspath(_local_path(filepath))
-        if deferred and flight.defer(functools.partial(link, filepath, linkpath)) != "committed":  # type: ignore[union-attr]
-            return  # "running": made by the writer thread after the commit; "failed": the old link stays
-        link(filepath, linkpath)
+        """Point ``linkpath`` at ``filepath`` (:func:`link`); local. When ``filepath`` is the background save in
+        flight, the link follows its commit, and is not made if it fails: the old link stays."""
+        if self._deferring and self._latest == os.path.abspath(filepath):
+            self.saver.after_commit(functools.partial(link, filepath, linkpath))
+        else:
+            link(filepath, linkpath)
 
     def _remove(self, path: _PATH) -> None:
         fs = get_filesystem(path)
@@ -246,20 +168,14 @@ class RankSafeCheckpointIO(CheckpointIO):
             self._saver.wait()
 
     def check(self) -> None:
-        """Raise :class:`~ranksafe.RankFailure` on every rank if a background write failed; collective.
-
-        One exchange, so cheap enough for every training step; ranks that never write take part too. In a
-        single process the original error is raised unchanged.
-        """
+        """Raise :class:`~ranksafe.RankFailure` on every rank if a background write failed; collective (one
+        exchange). In a single process the original error is raised unchanged."""
         self.saver.check()
 
     def teardown(self) -> None:
-        """Wait for the write in flight (no thread outlives the run, no save is lost); local.
-
-        Lightning calls this on every rank at the end of a run, on success and failure alike, so it cannot
-        host a collective: the RankSafe callback checks the outcome at ``on_fit_end``. Without that callback
-        a background failure is raised here, on the writing rank.
-        """
+        """Wait for the write in flight (no thread outlives the run); local. Lightning calls it on every rank at
+        the end of a run, success or failure, so it cannot host a collective: RankSafe checks at ``on_fit_end``.
+        Without RankSafe, a background failure is raised here, on the writing rank."""
         if self._saver is not None:
             self._saver.shutdown()
         self._torn_down = True

@@ -88,25 +88,17 @@ class MonitorAgreement:
             return torch.tensor(agreed, dtype=value.dtype, device=value.device)
         return torch.tensor(agreed) if value is None else type(value)(agreed)
 
-    def wrap_candidates(self, read: Callable[[Any], dict[str, Any]], monitor: str) -> Callable[[Any], dict[str, Any]]:
-        """Wrap ModelCheckpoint's ``_monitor_candidates(trainer)`` so its monitored entry is agreed."""
+    def candidates(self, monitor: str, read: Callable[[Any], dict[str, Any]], trainer: Any) -> dict[str, Any]:
+        """ModelCheckpoint's ``_monitor_candidates(trainer)`` (``read``) with the ``monitor`` entry agreed."""
+        candidates = read(trainer)
+        value = self.agree(monitor, candidates.get(monitor))
+        if value is not None:
+            candidates[monitor] = value
+        return candidates
 
-        def agreed_candidates(trainer: Any) -> dict[str, Any]:
-            candidates = read(trainer)
-            value = self.agree(monitor, candidates.get(monitor))
-            if value is not None:
-                candidates[monitor] = value
-            return candidates
-
-        return agreed_candidates
-
-    def wrap_criteria(self, evaluate: Callable[[torch.Tensor], Any], monitor: str) -> Callable[[torch.Tensor], Any]:
-        """Wrap EarlyStopping's ``_evaluate_stopping_criteria(current)`` so ``current`` is agreed."""
-
-        def agreed_criteria(current: torch.Tensor) -> Any:
-            return evaluate(self.agree(monitor, current))
-
-        return agreed_criteria
+    def criteria(self, monitor: str, evaluate: Callable[[torch.Tensor], Any], current: torch.Tensor) -> Any:
+        """EarlyStopping's ``_evaluate_stopping_criteria(current)`` (``evaluate``) of the agreed ``current``."""
+        return evaluate(self.agree(monitor, current))
 
 
 def _show(values: list[float | None]) -> str:

@@ -1,0 +1,35 @@
+"""The private names of Lightning that ranksafe.lightning uses: each one here, once, with why no public API does.
+
+``tests/test_lightning_compat.py`` fails, naming it, when a Lightning release renames or removes one of them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+
+LINK_CHECKPOINT = "_link_checkpoint"
+"""``ModelCheckpoint._link_checkpoint(trainer, filepath, linkpath)``, a staticmethod: ``save_last="link"`` makes
+``last.ckpt`` here, then waits in a barrier. The one place to make the link after a background write's commit,
+atomically, and to share rank 0's outcome instead of leaving the other ranks in the barrier when it fails."""
+
+MONITOR_CANDIDATES = "_monitor_candidates"
+"""``ModelCheckpoint._monitor_candidates(trainer)``: the read of the monitored metric behind every ModelCheckpoint
+decision (file name, top-k, last). ``trainer.callback_metrics`` cannot be agreed beforehand: each read recomputes
+it from the rank's own logged values."""
+
+STOPPING_CRITERIA = "_evaluate_stopping_criteria"
+"""``EarlyStopping._evaluate_stopping_criteria(current)``: where the monitored value moves the patience counter,
+which must move alike on every rank (its stop decision is reduced, the counter is not)."""
+
+CHECKPOINT_CONNECTOR = "_checkpoint_connector"
+"""``Trainer._checkpoint_connector``: its ``resume_start(checkpoint_path, weights_only)`` is where every stage loads
+its checkpoint, after the process group exists (``resume=True`` picks the path there, and every rank takes rank 0's);
+its ``dump_checkpoint(weights_only)`` builds the dict that ``trainer.save_checkpoint`` writes (for
+``RankSafe(checkpoint_dir=...)``). No hook offers either."""
+
+
+def checkpoint_connector(trainer: pl.Trainer) -> Any:
+    """The Trainer's checkpoint connector (see :data:`CHECKPOINT_CONNECTOR`)."""
+    return getattr(trainer, CHECKPOINT_CONNECTOR)
