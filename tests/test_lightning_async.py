@@ -40,11 +40,11 @@ class GatedIO(RankSafeCheckpointIO):
         self.fail = False
         self.log: list[tuple[str, str]] = []
 
-    def _write(self, checkpoint, path):
+    def _write(self, checkpoint, path, **kw):
         assert self.gate.wait(30)
         if self.fail:
             raise OSError(errno.ENOSPC, "No space left on device (injected)")
-        super()._write(checkpoint, path)
+        super()._write(checkpoint, path, **kw)
         self.log.append(("commit", Path(path).name))
 
     def _remove(self, path):
@@ -236,9 +236,9 @@ def _fit_failing(tmp_path: Path, stock: bool) -> tuple[StepProbe, SlowFull, Base
     disk = SlowFull(tmp_path)
 
     class Ours(RankSafeCheckpointIO):
-        def _write(self, checkpoint, path):
+        def _write(self, checkpoint, path, **kw):
             disk.write()
-            super()._write(checkpoint, path)
+            super()._write(checkpoint, path, **kw)
 
         def _remove(self, path):
             disk.deleting()
@@ -381,7 +381,7 @@ def _teardown_reports_once(rank: int, root: str) -> dict:
     from ranksafe.async_save import _wait_at_exit
 
     class Failing(RankSafeCheckpointIO):
-        def _write(self, checkpoint, path):
+        def _write(self, checkpoint, path, **kw):
             raise OSError(errno.ENOSPC, "No space left on device (injected)")
 
     plugin = Failing(async_save=True)  # no RankSafe callback: teardown is where the failure surfaces
@@ -409,9 +409,9 @@ def test_a_failure_raised_by_teardown_is_not_reported_again_at_exit(tmp_path):
 class SlowIO(RankSafeCheckpointIO):
     """Each background write takes longer than a training step."""
 
-    def _write(self, checkpoint, path):
+    def _write(self, checkpoint, path, **kw):
         time.sleep(0.3)
-        super()._write(checkpoint, path)
+        super()._write(checkpoint, path, **kw)
 
 
 class LoggedModel(Model):
@@ -446,11 +446,11 @@ class ThirdWriteFails(RankSafeCheckpointIO):
         super().__init__(async_save=True)
         self.writes = 0
 
-    def _write(self, checkpoint, path):
+    def _write(self, checkpoint, path, **kw):
         self.writes += 1
         if self.writes == 3:
             raise OSError(errno.ENOSPC, "No space left on device (injected)")
-        super()._write(checkpoint, path)
+        super()._write(checkpoint, path, **kw)
 
 
 @pytest.mark.parametrize("save_last", [True, "link"])

@@ -65,7 +65,7 @@ class InstrumentedIO(RankSafeCheckpointIO):
 
     writes = 0
 
-    def _write(self, checkpoint, path):
+    def _write(self, checkpoint, path, **kw):
         InstrumentedIO.writes += 1
         if args.fail_write and InstrumentedIO.writes >= args.fail_write:
             events.append({"kind": "fault", "path": path})
@@ -73,7 +73,7 @@ class InstrumentedIO(RankSafeCheckpointIO):
             raise OSError(errno.ENOSPC, f"No space left on device (injected) writing {path}")
         time.sleep(args.slow_write)
         live_step = TRAINER.global_step  # where training is while this (older) snapshot is written
-        super()._write(checkpoint, path)
+        super()._write(checkpoint, path, **kw)
         events.append({"kind": "commit", "path": path, "thread": threading.current_thread().name, "live": live_step})
 
     def remove_checkpoint(self, path):

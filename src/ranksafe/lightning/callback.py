@@ -19,16 +19,16 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, Checkpoint, EarlyStopping, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 
-from .. import topology
+from .. import remote, topology
 from ..async_save import check_savers
 from ..checkpoint import STATE, CheckpointManager
 from ..collectives import abort, agree, broadcast, together
-from ..files import clean_orphans
-from ..saving import prepare_dir
+from ..files import clean_orphans, probe_write
+from ..saving import error_naming_target, prepare_dir
 from ..snapshot import StateDictLock
 from ..storage import Storage
 from . import compat
-from .io import RankSafeCheckpointIO, link
+from .io import RankSafeCheckpointIO, exists, link, path_key
 from .monitor import MonitorAgreement, MonitorOp
 from .wrapped import unwrap, wrap
 
@@ -39,10 +39,10 @@ def _shared() -> bool:
 
 
 def _inside(path: Any, directory: str) -> bool:
-    if path is None or "://" in str(path):
+    if path is None or path in ("last", "best", "hpc", "registry"):  # names Lightning resolves itself
         return False
-    path, directory = os.path.abspath(os.fspath(path)), os.path.abspath(directory)
-    return os.path.commonpath([path, directory]) == directory
+    path, directory = path_key(path), path_key(directory)
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
 
 
 def _async_io(trainer: pl.Trainer) -> RankSafeCheckpointIO | None:
@@ -153,9 +153,9 @@ class RankSafe(Callback):
 
     def _managed_step(self, path: Any) -> int | None:
         """The step whose state file ``path`` is, when it lies in this callback's checkpoint_dir."""
-        if self.manager is None or path is None or "://" in str(path):
+        if self.manager is None or path is None:
             return None
-        step_dir, name = os.path.split(os.path.abspath(os.fspath(path)))
+        step_dir, name = path_key(path).rsplit("/", 1)
         digits = os.path.basename(step_dir)[len(self.manager.prefix) :]
         if name == STATE and digits.isdigit() and self.manager.step_dir(int(digits)) == step_dir:
             return int(digits)
@@ -199,19 +199,32 @@ class RankSafe(Callback):
                 wrap(cb, compat.STOPPING_CRITERIA, functools.partial(self.monitors.criteria, monitor))
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """ModelCheckpoint resolved its directory in its own ``setup``: prepare it now, before the first save."""
+        """ModelCheckpoint resolved its directory in its own ``setup``: prepare it now, before the first save, and
+        write a probe there, so that a directory (or a bucket, or credentials) that cannot be written fails every
+        rank now instead of after the first epoch."""
+        dirpaths = []
         for cb in trainer.checkpoint_callbacks:
             dirpath = getattr(cb, "dirpath", None)  # a Checkpoint that is no ModelCheckpoint, or a stand-in
-            if not isinstance(cb, ModelCheckpoint) or not dirpath or "://" in str(dirpath):
+            if not isinstance(cb, ModelCheckpoint) or not dirpath:
                 continue
             dirpath = os.fspath(dirpath)
+            dirpaths.append(dirpath)
             # ckpt_path="last" is resolved by each rank on its own: agree before taking a collective branch
             if self.overwrite and not agree(_inside(trainer.ckpt_path, dirpath), "any", name="resume dir"):
                 prepare_dir(dirpath, overwrite=True)
             elif self.overwrite and topology.is_main():
                 warnings.warn(f"RankSafe(overwrite=True) keeps {dirpath}: the run resumes from it", stacklevel=2)
-            if topology.is_main():  # temporaries of writers that crashed (a killed run) go before new ones appear
-                clean_orphans(dirpath)
+        with together("checkpoint directories: warmup", self.timeout) if _shared() else contextlib.nullcontext():
+            if topology.is_main():
+                for dirpath in dirpaths:
+                    try:
+                        probe_write(dirpath)
+                    except OSError as e:
+                        raise error_naming_target(e, "cannot write checkpoints to", dirpath) from e
+                    if not remote.is_url(dirpath):  # temporaries of writers that crashed go before new ones appear
+                        clean_orphans(dirpath)
+        if self.manager is not None:
+            self.manager.warmup()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         """A background write that failed is raised on every rank now, not at the next save: one exchange per
@@ -311,7 +324,7 @@ class RankSafe(Callback):
         write's commit (and is not made if it fails: the old link stays), and rank 0's outcome reaches every rank
         instead of the stock barrier, which left the others waiting when the link failed."""
         with together("ModelCheckpoint link", self.timeout) if _shared() else contextlib.nullcontext():
-            if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
+            if trainer.is_global_zero and path_key(filepath) != path_key(linkpath):
                 if self._io is not None:
                     self._io.link_checkpoint(filepath, linkpath)
                 else:
@@ -320,7 +333,7 @@ class RankSafe(Callback):
     def _file_exists(self, original: Callable[..., Any], filepath: Any, trainer: pl.Trainer) -> bool:
         """``ModelCheckpoint.file_exists`` that counts a file still being written in the background as existing:
         else the next save takes the same name (no ``-v1``) and overwrites it. Rank 0 decides, as in Lightning."""
-        mine = trainer.is_global_zero and (self._io.writing(filepath) or os.path.exists(filepath))  # type: ignore[union-attr]
+        mine = trainer.is_global_zero and (self._io.writing(filepath) or exists(filepath))  # type: ignore[union-attr]
         return trainer.strategy.reduce_boolean_decision(bool(mine), all=False)
 
     def _then_save_step(self, original: Callable[..., Any], trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

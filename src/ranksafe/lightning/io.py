@@ -3,8 +3,9 @@
 Stock ``TorchCheckpointIO`` serialises the whole checkpoint into memory first, writes its temporary file in
 ``$TMPDIR`` (a rename across file systems is a copy a crash can tear) and never fsyncs. This plugin streams
 ``torch.save`` into a temporary file beside the target, fsyncs and renames it, and verifies the CRC footer on
-load. Saving, loading and removing are local (Lightning calls them on global rank 0 only, and under
-``ddp_spawn`` from a parent without a process group); sharing outcomes is the RankSafe callback's job.
+load; on remote storage (an fsspec URL, as stock Lightning takes) the file is one upload committed when complete.
+Saving, loading and removing are local (Lightning calls them on global rank 0 only, and under ``ddp_spawn`` from a
+parent without a process group); sharing outcomes is the RankSafe callback's job.
 """
 
 from __future__ import annotations
@@ -19,16 +20,34 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.types import _PATH
 
-from .. import topology
+from .. import remote, topology
 from ..async_save import AsyncSaver
 from ..files import atomic_save, load_file, local_path, make_dirs
 from ..saving import error_naming_target
 from ..snapshot import StateDictLock
 
 
+def path_key(path: _PATH) -> str:
+    """The absolute local path, or the URL: what a save is told apart by."""
+    scheme, where = remote.split(path)
+    return where if scheme else os.path.abspath(where)
+
+
+def exists(path: _PATH) -> bool:
+    """Whether a file is at ``path`` (a local path or a URL)."""
+    if remote.is_url(path):
+        return remote.Remote.of(path).exists()
+    return os.path.exists(path)
+
+
 def link(filepath: str, linkpath: str) -> None:
     """Point ``linkpath`` at ``filepath`` (ModelCheckpoint's ``save_last="link"``): a relative symlink, or a copy
-    where links are not allowed. Made beside the target and renamed over it, so ``last.ckpt`` is never missing."""
+    where links are not allowed (on remote storage: a copy made by the store). Made beside the target and renamed
+    over it, so ``last.ckpt`` is never missing."""
+    if remote.is_url(linkpath):
+        target = remote.Remote.of(linkpath)
+        target.fs.copy(remote.Remote.of(filepath).path, target.path)
+        return
     if os.path.isdir(linkpath) and not os.path.islink(linkpath):
         shutil.rmtree(linkpath)
     temporary = f"{linkpath}.ranksafe-link"
@@ -45,7 +64,8 @@ class RankSafeCheckpointIO(CheckpointIO):
     """Atomic, fsynced, checksummed checkpoint files for Lightning; ``Trainer(plugins=[RankSafeCheckpointIO()])``.
 
     Files stay loadable by stock ``torch.load`` and ``LightningModule.load_from_checkpoint`` (the footer sits
-    after the zip archive). Local paths only: the commit needs ``fsync`` and an atomic rename.
+    after the zip archive). Paths may be fsspec URLs (``s3://``, ``gs://``, ``memory://``; ``http://`` to load),
+    with ``storage_options`` for their file system, as stock Lightning takes them.
 
     Args:
         async_save: write in the background (:class:`~ranksafe.AsyncSaver`); ``save_checkpoint`` returns once
@@ -93,30 +113,30 @@ class RankSafeCheckpointIO(CheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
         """Write ``checkpoint`` to ``path`` atomically: a reader or a crash sees the old file or the new one.
         With ``async_save`` it returns once ``checkpoint`` is snapshotted."""
-        if storage_options is not None:
-            raise TypeError(
-                "`Trainer.save_checkpoint(..., storage_options=...)` is not supported by "
-                f"`{type(self).__name__}`; it writes local files only"
-            )
-        path = os.path.abspath(local_path(path))
+        path = path_key(path)
+        if storage_options is not None and not remote.is_url(path):  # as stock TorchCheckpointIO
+            raise TypeError(f"storage_options are for the file system of a URL; {path} is a local path")
         if not self.async_save or self._torn_down:
-            self._write(checkpoint, path)
+            self._write(checkpoint, path, storage_options=storage_options)
             return
         self.wait()
         if self.saver.failed:  # never commit past a failed write: last.ckpt would name a top-k file that never came
             raise self.saver.take_error()  # type: ignore[misc]
         try:  # now, not on the writer thread: a link or copy made before the commit finds the directory
-            make_dirs(os.path.dirname(path))
+            if not remote.is_url(path):
+                make_dirs(os.path.dirname(path))
         except OSError as e:
             raise error_naming_target(e, "cannot save checkpoint", path) from e
         self._latest = path
-        self.saver.submit(checkpoint, functools.partial(self._write, path=path))  # a failed snapshot: for check()
+        write = functools.partial(self._write, path=path, storage_options=storage_options)
+        self.saver.submit(checkpoint, write)  # a failed snapshot: for check()
 
-    def _write(self, checkpoint: dict[str, Any], path: str) -> None:
+    def _write(self, checkpoint: dict[str, Any], path: str, storage_options: Any | None = None) -> None:
         """The commit itself, on the calling thread or the background one."""
         try:
-            make_dirs(os.path.dirname(os.path.abspath(path)))
-            atomic_save(checkpoint, path)
+            if not remote.is_url(path):
+                make_dirs(os.path.dirname(os.path.abspath(path)))
+            atomic_save(checkpoint, path, storage_options=storage_options)
         except OSError as e:  # name the checkpoint, not the temporary file the error speaks of
             raise error_naming_target(e, "cannot save checkpoint", path) from e
 
@@ -129,17 +149,16 @@ class RankSafeCheckpointIO(CheckpointIO):
         """Verify and load ``path`` (after its write in flight); a torn or corrupt file raises
         :class:`~ranksafe.CorruptCheckpoint` naming it. ``weights_only=None`` leaves the choice to ``torch.load``,
         as stock Lightning does; a file that needs False then raises :class:`~ranksafe.UntrustedCheckpoint`."""
-        path = local_path(path)
         if self.writing(path):
             self.wait()
-        if not os.path.exists(path):
+        if not remote.is_url(path) and not os.path.exists(local_path(path)):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
         return load_file(path, map_location=map_location, weights_only=weights_only)
 
     def writing(self, path: _PATH) -> bool:
         """Whether a background write to ``path`` is in flight (the file is not there yet). Local."""
         in_flight = self._saver is not None and self._saver.in_flight
-        return in_flight and self._latest == os.path.abspath(local_path(path))
+        return in_flight and self._latest == path_key(path)
 
     def remove_checkpoint(self, path: _PATH) -> None:
         """Remove ``path`` (a file or a directory; missing is fine, as stock). With a background save in flight,
@@ -152,7 +171,7 @@ class RankSafeCheckpointIO(CheckpointIO):
     def link_checkpoint(self, filepath: str, linkpath: str) -> None:
         """Point ``linkpath`` at ``filepath`` (:func:`link`); local. When ``filepath`` is the background save in
         flight, the link follows its commit, and is not made if it fails: the old link stays."""
-        if self._deferring and self._latest == os.path.abspath(filepath):
+        if self._deferring and self._latest == path_key(filepath):
             self.saver.after_commit(functools.partial(link, filepath, linkpath))
         else:
             link(filepath, linkpath)
