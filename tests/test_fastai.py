@@ -200,11 +200,11 @@ def test_ranksafe_ddp_decisions_writers_and_lr_find(tmp_path):
 
 
 def _ddp_stock(rank, root):
-    from ranksafe.fastai.cpu import prepare_distributed
+    from ranksafe.fastai import CPUDistributed, prepare_distributed
 
-    prepare_distributed()  # torchrun-like env: fastai knows its rank; this only lets DDP run on CPU
+    prepare_distributed()  # torchrun-like env: fastai knows its rank
     torch.manual_seed(rank)
-    learn = _learner(root, False)
+    learn = _learner(root, False, CPUDistributed())  # this only lets DDP run on CPU
     save = SaveModelCallback(fname="best")
     _fit_watch(learn, 4, Inject(SAVE_VALUES[rank]), save)
     out = {"best": save.best, "final": params(learn)}
@@ -453,7 +453,7 @@ def test_terminate_on_nan_stops_every_rank_at_the_same_batch(tmp_path):
 def _fit_scoped_fails_alone(rank, root):
     """RankSafe passed to this fit only (``fit(cbs=[RankSafe()])``), not attached to the Learner: its ``fit`` is
     fastai's own, with no ranksafe wrapper around it. Rank 1 fails alone at the end of epoch 1."""
-    from ranksafe.fastai.cpu import prepare_distributed
+    from ranksafe.fastai import prepare_distributed
 
     prepare_distributed()  # what torchrun's variables would do: distrib_ctx below trains with DDP
     learn = _learner(root, False)
@@ -487,28 +487,29 @@ class FailAtEnd(Callback):
             raise OSError(28, "No space left on device (closing the log, injected on one rank)")
 
 
-def _fails_at_the_end(rank, root, attached):
+def _fails_at_the_end(rank, root, how):
     """Spawned, no RANK, nothing prepared by hand: the Learner has RankSafe, or only this fit does."""
     torch.manual_seed(rank)  # different initial weights: DDP must make them equal
-    learn = _learner(root, attached)
+    learn = _learner(root, how == "attached")
+    early = [RankSafe()] if how == "fit only, made before distrib_ctx" else []
     watch = Watch()
     start = time.monotonic()
     try:
         with learn.no_bar(), learn.no_logging(), learn.distrib_ctx(sync_bn=False):
-            learn.fit(2, 1e-2, cbs=[watch, FailAtEnd(rank=1), *([] if attached else [RankSafe()])])  # made in here
+            late = [RankSafe()] if how == "fit only, made inside distrib_ctx" else []
+            learn.fit(2, 1e-2, cbs=[watch, FailAtEnd(rank=1), *early, *late])
         error = None
     except Exception as e:
-        error = {"type": type(e).__name__, "msg": str(e)[:400]}
-    return {"error": error, "seconds": time.monotonic() - start, "shards": watch.shards, "weights": watch.weights[-1]}
+        error = {"type": type(e).__name__, "msg": str(e)[:600]}
+    seen = vars(watch)  # empty when no before_fit reached it
+    weights = seen["weights"][-1] if seen.get("weights") else None
+    return {"error": error, "seconds": time.monotonic() - start, "shards": seen.get("shards", []), "weights": weights}
 
 
-@pytest.mark.parametrize("attached", [True, False], ids=["attached", "fit only"])
-def test_a_failure_after_the_last_collective_of_a_fit_reaches_every_rank_and_a_fit_only_ranksafe_trains_ddp(
-    tmp_path, attached
-):
-    """Before: rank 1 failing in ``after_fit`` alone left rank 0's fit returning as if all went well; and with
-    RankSafe passed to the fit only, distrib_ctx was entered before it existed: under mp.spawn no DDP at all."""
-    r0, r1 = run_ranks(_fails_at_the_end, 2, args=(str(tmp_path), attached), timeout=180).values
+@pytest.mark.parametrize("how", ["attached", "fit only, made before distrib_ctx"])
+def test_a_failure_after_the_last_collective_of_a_fit_reaches_every_rank(tmp_path, how):
+    """Before: rank 1 failing in ``after_fit`` alone left rank 0's fit returning as if all went well."""
+    r0, r1 = run_ranks(_fails_at_the_end, 2, args=(str(tmp_path), how), timeout=180).values
     print(r0, r1, sep="\n")
     assert r1["error"]["type"] == "OSError"
     assert r0["error"] is not None and r0["error"]["type"] == "RankFailure[OSError]", r0
@@ -516,3 +517,18 @@ def test_a_failure_after_the_last_collective_of_a_fit_reaches_every_rank_and_a_f
     for v, rank in ((r0, 0), (r1, 1)):  # DDP on two data shards, whichever way RankSafe came
         assert v["shards"][0] == ("DistributedDataParallel", rank, 2), v["shards"]
     assert r0["weights"] == r1["weights"]
+
+
+def test_a_ranksafe_made_inside_distrib_ctx_under_mp_spawn_refuses_to_train_each_rank_alone(tmp_path):
+    """Under mp.spawn (no RANK), ``distrib_ctx`` entered before any RankSafe existed saw no job: it added no
+    DistributedTrainer, and each rank would train its own model while RankSafe treated them as one job. Every rank
+    raises instead, before the first epoch, saying what to write."""
+    r0, r1 = run_ranks(
+        _fails_at_the_end, 2, args=(str(tmp_path), "fit only, made inside distrib_ctx"), timeout=180
+    ).values
+    print(r0, r1, sep="\n")
+    for v, rank in ((r0, 0), (r1, 1)):
+        assert v["error"]["type"] == "RuntimeError", v
+        assert f"rank {rank}: fastai sees no distributed job" in v["error"]["msg"], v
+        assert "Make RankSafe before entering distrib_ctx" in v["error"]["msg"], v
+        assert v["shards"] == [] and v["weights"] is None  # no epoch trained
