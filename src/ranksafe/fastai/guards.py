@@ -33,6 +33,8 @@ from ..collectives import broadcast, together
 
 def _nan_after_batch(cb: TerminateOnNaNCallback) -> None:
     """One all-reduce (MAX) of one flag per batch: the same answer on every rank."""
+    if topology.world_size() < 2:  # a copy pickled during the fit, used in one process: fastai's own
+        return TerminateOnNaNCallback.after_batch(cb)
     bad = (~torch.isfinite(cb.loss.detach())).any().float().reshape(1)
     dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     if bad.item():
