@@ -5,6 +5,8 @@ Each multi-process run combines several checks (fastai's import costs seconds pe
 
 from __future__ import annotations
 
+import functools
+import io
 import math
 import os
 import pickle
@@ -14,7 +16,12 @@ import pytest
 
 pytest.importorskip("fastai")
 
+import cloudpickle
 import torch
+from fastai.callback.schedule import LRFinder
+from fastai.callback.tracker import TerminateOnNaNCallback
+from fastai.data.core import DataLoaders
+from fastai.data.load import DataLoader
 from fastai.tabular.all import (
     Callback,
     CSVLogger,
@@ -114,6 +121,55 @@ class CountSaves:
         return self._orig(*a, **k)
 
 
+def roundtrip(obj, module=pickle):
+    """``obj`` through ``module`` (pickle, or cloudpickle as fastai's ``export`` uses) and back, leaving out what fastai
+    itself cannot pickle in the middle of a fit on several ranks: its loaders (they hold iterators) and open files
+    (CSVLogger's log)."""
+
+    class Pickler(module.Pickler):
+        def persistent_id(self, o):
+            return "left out" if isinstance(o, (DataLoader, DataLoaders, io.IOBase)) else None
+
+    class Unpickler(pickle.Unpickler):
+        def persistent_load(self, pid):
+            return None
+
+    buffer, counting = io.BytesIO(), torch.save
+    torch.save = getattr(counting, "_orig", counting)  # a tensor pickles through torch.save: not a file written
+    try:
+        Pickler(buffer).dump(obj)
+    finally:
+        torch.save = counting
+    buffer.seek(0)
+    return Unpickler(buffer).load()
+
+
+def bound_to_itself(copy) -> list[str]:
+    """The ranksafe methods or events a copy came back with, bound to the copy itself (a RankSafe: its Learner's)."""
+    copy = copy.learn if isinstance(copy, RankSafe) else copy
+    return sorted(k for k, v in vars(copy).items() if isinstance(v, functools.partial) and v.args[:1] == (copy,))
+
+
+LEARNER_METHODS = ["export", "fit", "get_preds", "load", "resume", "save"]  # those of a tabular Learner
+
+
+class Pickles(Callback):
+    """At the first epoch end of a fit, each object ranksafe sets something on goes through pickle and cloudpickle."""
+
+    order = 90
+
+    def before_fit(self):
+        self.copies, self.finder = {}, next((cb for cb in self.learn.cbs if isinstance(cb, LRFinder)), None)
+
+    def after_epoch(self):
+        if self.copies:
+            return
+        for obj in (self.learn, *self.learn.cbs):
+            if isinstance(obj, (Learner, RankSafe, CSVLogger, TerminateOnNaNCallback, LRFinder)):
+                for module in (pickle, cloudpickle):
+                    self.copies[f"{type(obj).__name__} {module.__name__}"] = bound_to_itself(roundtrip(obj, module))
+
+
 def _learner(path, safe: bool, *cbs) -> Learner:
     extra = [RankSafe()] if safe else []
     return Learner(tabular_dls(path), Lin(), loss_func=MSELossFlat(), path=path, cbs=[*extra, *cbs])
@@ -136,12 +192,14 @@ def _ddp_with_ranksafe(rank, root):
     learn = _learner(root, True, CSVLogger())
     out["env_rank"] = os.environ.get("RANK")
 
-    # SaveModelCallback, disagreeing values, NaN on rank 0 at epoch 0
-    watch = _fit_watch(learn, 4, Inject(SAVE_VALUES[rank]), SaveModelCallback(fname="best"))
+    # SaveModelCallback, disagreeing values, NaN on rank 0 at epoch 0; what ranksafe sets pickles meanwhile
+    nan, pickles = TerminateOnNaNCallback(), Pickles()
+    watch = _fit_watch(learn, 4, Inject(SAVE_VALUES[rank]), SaveModelCallback(fname="best"), nan, pickles)
     out["save"] = {
         "final": params(learn), "per_epoch": watch.weights, "shards": watch.shards, "saves": saves.n,
         "best": learn.recorder.values[-1],
     }  # fmt: skip
+    out["pickled"] = {"during": pickles.copies, "after": sorted(k for k in vars(nan) if k.endswith("batch"))}
     with open(os.path.join(root, "history.csv")) as f:
         out["csv"] = f.read()
 
@@ -156,9 +214,13 @@ def _ddp_with_ranksafe(rank, root):
 
     # lr_find: one temporary model, loaded by every rank, removed once
     before = params(learn)
+    learn.add_cb(pickles)
     with learn.no_bar(), learn.no_logging(), learn.distrib_ctx(sync_bn=False):
         learn.lr_find(num_it=6, show_plot=False)
+    learn.remove_cb(pickles)
     out["lr_find"] = {"restored": params(learn) == before, "models": sorted(os.listdir(os.path.join(root, "models")))}
+    out["pickled"]["lr_find"] = pickles.copies
+    out["pickled"]["lr_find after"] = sorted(k for k in vars(pickles.finder) if k.endswith("fit"))
 
     # export + load_learner, one writer
     n = saves.n
@@ -194,6 +256,13 @@ def test_ranksafe_ddp_decisions_writers_and_lr_find(tmp_path):
     # lr_find restored the weights on every rank and left only the saved best model
     assert r0["lr_find"] == r1["lr_find"] == {"restored": True, "models": ["best.pth"]}
     assert (r0["export"]["saves"], r1["export"]["saves"]) == (1, 0) and r0["export"]["same"] and r1["export"]["same"]
+    # during the fit, what ranksafe sets pickles, with pickle and with cloudpickle, and comes back bound to the copy
+    both = lambda kinds: {f"{k} {m}": v for k, v in kinds.items() for m in ("pickle", "cloudpickle")}  # noqa: E731
+    common = {"Learner": LEARNER_METHODS, "RankSafe": LEARNER_METHODS, "CSVLogger": []}
+    for v in (r0, r1):
+        assert v["pickled"]["during"] == both({**common, "TerminateOnNaNCallback": ["after_batch"]}), v["pickled"]
+        assert v["pickled"]["lr_find"] == both({**common, "LRFinder": ["after_fit", "before_fit"]}), v["pickled"]
+        assert v["pickled"]["after"] == [] and v["pickled"]["lr_find after"] == []  # taken off when the fit is over
 
 
 # ------------------------------------------------- run 2: the stock control (fastai's callbacks, CPU fix only)
