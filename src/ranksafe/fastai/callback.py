@@ -1,19 +1,12 @@
 """The ``RankSafe`` callback: ``Learner(..., cbs=RankSafe())`` makes fastai's files and decisions rank-safe.
 
-While attached to a Learner, it gives that Learner (that instance only) the collective writers and readers of
-:mod:`ranksafe.fastai.learner`, ``resume``, and a ``fit`` whose error on one rank reaches every rank and after which
-the ranks meet once more. During a fit on several ranks:
-
-* **decisions**: after the ``Recorder`` has recorded an epoch (order 50) and before any ``TrackerCallback`` reads it
-  (60+), every rank takes rank 0's record, so every tracker decides alike and what is logged is what was decided;
-* **failures**: every epoch starts with a barrier (the checkpoint manager's ``check()`` when checkpointing, the same
-  exchange), so an error in one rank's callbacks stops the others before the next gradient all-reduce;
-* ``CSVLogger``, ``lr_find`` and ``TerminateOnNaNCallback`` act as one job (:mod:`ranksafe.fastai.guards`);
-* **checkpoints** (``checkpoint_dir=``): every ``every`` epochs the resumable training state
-  (:mod:`ranksafe.fastai.training_state`) goes into a step of a :class:`~ranksafe.CheckpointManager`, numbered after
-  the steps of earlier fits; ``learn.resume()`` makes the next fit continue from the newest step every rank has.
-
-In a single process it changes nothing fastai writes or decides.
+Attached to a Learner, it gives that instance the collective writers and readers of :mod:`ranksafe.fastai.learner`,
+``resume``, and a ``fit`` whose error on one rank reaches every rank. During a fit on several ranks every rank takes
+rank 0's epoch record before any tracker reads it (so trackers decide alike), every epoch starts with a barrier (an
+error in one rank's callbacks stops the others before the next gradient all-reduce), and ``CSVLogger``, ``lr_find``
+and ``TerminateOnNaNCallback`` act as one job (:mod:`ranksafe.fastai.guards`). With ``checkpoint_dir=``, every
+``every`` epochs the training state (:mod:`ranksafe.fastai.training_state`) goes into a step of a
+:class:`~ranksafe.CheckpointManager`. In a single process it changes nothing fastai writes or decides.
 """
 
 from __future__ import annotations
@@ -38,6 +31,7 @@ from ..collectives import abort, barrier, broadcast, together
 from ..files import load_file
 from ..snapshot import StateDictLock
 from ..storage import Storage
+from . import learner
 from .distributed import any_backend, prepare_distributed
 from .guards import guard, quiet_csv_loggers, unguard
 from .learner import METHODS, install, stock_method, uninstall
@@ -61,8 +55,8 @@ class _Fit:
 
 
 def _validating(learn: Learner) -> bool:
-    """A ``validate``/``get_preds`` pass is running (inside a fit or not): it holds ``Learner.lock``, a fit never does.
-    It fires ``before_fit``/``after_fit`` and epoch events too."""
+    """A ``validate``/``get_preds`` pass (which fires fit and epoch events too) is running: it holds ``Learner.lock``,
+    a fit never does."""
     return learn.lock.locked()
 
 
@@ -75,11 +69,9 @@ _TRANSIENT = {"_fit": None, "_manager": None, "_lock": None, "_fits": 0, "_expor
 
 
 class RankSafe(Callback):
-    """Make everything fastai writes or decides correct under distributed training.
+    """Make everything fastai writes or decides correct under distributed training (see the module docstring).
 
-    Add it to any Learner, ``Learner(dls, model, cbs=RankSafe())``, then train as usual, inside ``learn.distrib_ctx()``
-    or not, under ``torchrun`` or ``mp.spawn``. Initialise the process group before creating the Learner (or this
-    callback), so that ``distrib_ctx`` sees the ranks. See the module docstring.
+    Initialise the process group before making it (or its Learner), so that ``distrib_ctx`` sees the ranks.
 
     Args:
         checkpoint_dir: where to keep resumable checkpoints (relative to ``learn.path``); ``None``: none.
@@ -135,17 +127,17 @@ class RankSafe(Callback):
     def learn(self, learn: Learner | None) -> None:
         if learn is self._learn:
             return
+        ending, exc = learn is None and self._fit is not None, sys.exc_info()[1]
+        if ending:  # given to one fit, taken off as it ends: fastai's fit, not the `fit` below, so do what it does
+            self._end_fit(exc)
         if self._learn is not None:
-            if learn is None and self._fit is not None:  # a RankSafe given to one fit, taken off as it ends
-                exc = sys.exc_info()[1]  # fastai's fit, not the wrapper `fit` below: do what it does
-                self._end_fit(exc)
-                _meet_or_abort(exc)
             uninstall(self._learn, self._installed, _METHODS)
-            self._installed = ()
-        self._learn = learn
+        self._learn, self._installed = learn, ()
         if learn is not None:
             self._exported_ranks |= prepare_distributed()
             self._installed = install(learn, _METHODS, added=("resume",))
+        if ending:
+            _meet_or_abort(exc)
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()
@@ -175,13 +167,10 @@ class RankSafe(Callback):
             self._start_checkpointing(self._fit)
 
     def _refuse_training_alone(self) -> None:
-        """Raise if fastai trains each rank alone because it learnt of the job from this callback, too late.
-
-        ``with learn.distrib_ctx(): learn.fit(n, cbs=[RankSafe()])`` under ``mp.spawn`` (no ``RANK``): fastai's
-        ``distrib_ctx`` saw no job on entry and added no ``DistributedTrainer``, then this callback exported the ranks.
-        Every rank would train its own model while ranksafe treats them as one job. Every rank raises alike (they
-        all lacked ``RANK``).
-        """
+        """Raise if fastai trains each rank alone because it learnt of the job from this callback, too late: under
+        ``mp.spawn`` (no ``RANK``), ``with learn.distrib_ctx(): learn.fit(n, cbs=[RankSafe()])`` entered
+        ``distrib_ctx`` before the ranks were exported, and it added no ``DistributedTrainer``. Every rank lacked
+        ``RANK``, so every rank raises."""
         late, self._exported_ranks = self._exported_ranks, False
         if late and not any(isinstance(cb, DistributedTrainer) for cb in self.learn.cbs):
             raise RuntimeError(
@@ -205,13 +194,9 @@ class RankSafe(Callback):
             self._resume(fit, newest)
 
     def _resume(self, fit: _Fit, newest: int | None) -> None:
-        """Continue this fit from step ``newest``, or skip it whole if a later fit of the run wrote that step.
-
-        A re-run script runs its fits again from the first one, and the checkpoint names the fit that wrote it. A
-        later fit: this one had finished, so all its epochs are skipped, nothing is restored, and the resume stays
-        pending for the next fit. This fit: it continues after the saved epoch, its steps numbered as before. An
-        earlier fit (``learn.resume()`` then ``fit`` again in the process whose fit failed): this fit takes its place.
-        """
+        """Continue this fit from step ``newest``, or skip it whole if a later fit of the run wrote that step (a re-run
+        script runs its fits from the first; this one had finished, and the resume waits for the next fit). An earlier
+        fit's step (``learn.resume()`` after a failed fit, in the same process): this fit takes that one's place."""
         if newest is None:
             self.resume_pending = False
             return  # nothing saved yet: a fresh start
@@ -249,11 +234,8 @@ class RankSafe(Callback):
         self.learn.add_cb(fit.skip)
 
     def before_epoch(self) -> None:
-        """Every rank arrives here, or every rank learns which one failed (instead of hanging in DDP).
-
-        An epoch a resume skips gets its saved record now, between the Recorder's ``before_epoch`` and fastai's
-        ``SkipToEpoch``: the Recorder records and logs it (the CSV log's row) as the run that trained it did.
-        """
+        """Every rank arrives here, or every rank learns which one failed (instead of hanging in DDP). An epoch a
+        resume skips gets its saved record, which the Recorder then records and logs as the run that trained it did."""
         fit = self._fit
         if fit is None or _validating(self.learn):
             return
@@ -279,10 +261,8 @@ class RankSafe(Callback):
         any_backend([self.learn.dl])
 
     def before_step(self) -> None:
-        """Hold the write side of :attr:`state_lock` during the optimizer step (async saves only).
-
-        Once: the lock is re-entrant, and a second hold would outlive the single release of the batch.
-        """
+        """Hold the write side of :attr:`state_lock` during the optimizer step (async saves only); once, since the
+        lock is re-entrant and a second hold would outlive the single release of the batch."""
         fit = self._fit
         if fit is not None and fit.checkpointing and self.async_save and not fit.holding:
             self.state_lock.acquire_write()
@@ -303,11 +283,8 @@ class RankSafe(Callback):
             self.state_lock.release_write()
 
     def after_epoch(self) -> None:
-        """Every rank takes rank 0's record of this epoch, before any tracker reads it; then the checkpoint.
-
-        The write side is released first: a train or epoch cancelled in an earlier callback's ``after_step`` skips
-        both ``after_step`` and ``after_batch``, and no optimizer step runs from here to the next batch.
-        """
+        """Every rank takes rank 0's record of this epoch, before any tracker reads it; then the checkpoint. (The
+        write side is released first: an epoch cancelled in an earlier ``after_step`` skips our ``after_batch``.)"""
         learn, fit = self.learn, self._fit
         fit = None if fit is None or _validating(learn) else fit
         if fit is not None:
@@ -315,12 +292,7 @@ class RankSafe(Callback):
             if fit.checkpointing and not fit.trained and self.epoch != len(fit.history) - 1:
                 self._quiet_trackers(fit, bookkeeping=self.epoch < len(fit.history))
         recorder = getattr(learn, "recorder", None)
-        if (
-            topology.world_size() >= 2
-            and not hasattr(learn, "gather_preds")
-            and recorder is not None
-            and recorder.values
-        ):
+        if topology.world_size() >= 2 and not hasattr(learn, "gather_preds") and getattr(recorder, "values", None):
             agreed = broadcast(list(recorder.values[-1]), name="fastai: epoch record")
             recorder.values[-1] = learn.final_record = L(agreed)
         if fit is not None and fit.checkpointing and fit.trained and (self.epoch + 1) % self.every == 0:
@@ -360,8 +332,7 @@ class RankSafe(Callback):
             self._stop_checkpointing(fit, failed=False)
 
     def _stop_checkpointing(self, fit: _Fit, failed: bool) -> None:
-        """Undo what checkpointing set up; wait for the write in flight (collective), or, after a failure, just stop
-        the background writer (local: the ranks are failing)."""
+        """Undo what checkpointing set up; wait for the write in flight, or after a failure just stop the writer."""
         fit.checkpointing = False
         self._unquiet_trackers(fit)
         self._release()
@@ -385,9 +356,8 @@ class RankSafe(Callback):
 
 
 def _meet_or_abort(exc: BaseException | None) -> None:
-    """After a fit: meet the other ranks once more, where an error one of them met after RankSafe's last collective
-    (a later ``after_epoch`` of the last epoch, any ``after_fit``) reaches this rank; or post this rank's error for
-    them (:func:`ranksafe.abort`), so that they stop within seconds instead of waiting for it."""
+    """After a fit: meet the other ranks, where an error one met after RankSafe's last collective (a later
+    ``after_fit``) reaches this rank; or post this rank's error, so that they stop within seconds."""
     if exc is None:
         barrier("fastai: fit end")
     else:
@@ -411,12 +381,10 @@ def fit(learn: Learner, *args: Any, **kwargs: Any) -> None:
 
 
 def resume(learn: Learner, resume: bool = True) -> Learner:
-    """Make the next ``fit`` continue from the newest checkpoint every rank has; returns the Learner.
+    """Make the next ``fit`` continue from the newest checkpoint every rank has: ``learn.resume().fit_one_cycle(10)``.
 
-    Needs ``RankSafe(checkpoint_dir=...)``. Local (every rank calls it, as every rank calls ``fit``); the checkpoint
-    is read at the start of the ``fit``: ``learn.resume().fit_one_cycle(10)``. Without any checkpoint yet the fit
-    starts from scratch. In a script with several fits (``fine_tune``) run again from its start, the fits the
-    checkpoint shows finished are skipped and the one that wrote it continues.
+    Needs ``RankSafe(checkpoint_dir=...)``; local (the checkpoint is read when the fit starts). Without a checkpoint
+    the fit starts afresh; in a re-run script with several fits, the finished ones are skipped whole.
     """
     cb = next((cb for cb in learn.cbs if isinstance(cb, RankSafe)), None)
     if cb is None or cb.checkpoint_dir is None:
@@ -430,18 +398,12 @@ _METHODS = {**METHODS, "fit": fit, "resume": resume}
 
 
 class RankSafeLearner:
-    """Mixin that makes a Learner class rank-safe: ``class MyLearner(RankSafeLearner, TextLearner)``.
+    """Mixin that makes a Learner class rank-safe: ``class MyLearner(RankSafeLearner, TextLearner)``. Its methods
+    are ranksafe's (as :class:`RankSafe` installs them), and every instance gets the :class:`RankSafe` callback."""
 
-    Its ``fit``, ``save``/``load``/``export``/``get_preds`` (and the text learners' encoder and pretrained loaders)
-    are ranksafe's, ``resume`` is added, and every instance gets the :class:`RankSafe` callback for the decisions
-    taken during ``fit`` (trackers, CSV log, ``lr_find``).
-    """
-
-    fit = fit
-    resume = resume
-    save, load, export, get_preds = METHODS["save"], METHODS["load"], METHODS["export"], METHODS["get_preds"]
-    save_encoder, load_encoder = METHODS["save_encoder"], METHODS["load_encoder"]
-    load_pretrained = METHODS["load_pretrained"]
+    fit, resume = fit, resume
+    save, load, export, get_preds = learner.save, learner.load, learner.export, learner.get_preds
+    save_encoder, load_encoder, load_pretrained = learner.save_encoder, learner.load_encoder, learner.load_pretrained
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         prepare_distributed()  # before any Accelerator exists: distrib_ctx must see the process group's ranks

@@ -1,13 +1,10 @@
 """Rank-safe versions of fastai's writers and readers, as functions and as Learner methods.
 
-Every function here is a collective (all ranks call it, as they already do in a fastai DDP script): one writer
-(global rank 0, from the process group, not from ``RANK``) writes atomically, a failed write or read raises
-:class:`ranksafe.RankFailure` on every rank, and every load waits for the writer first. In a single process they
-behave as fastai's own and write the same files. Loads are ``weights_only`` unless ``trusted=True``; the two
-readers of pickles (:func:`load_learner`, :func:`load_data`) refuse to run without it.
-
-The methods (:data:`METHODS`) take the Learner first, so they serve both as the mixin's methods and, through
-:func:`install`, as one Learner instance's own.
+Every function here is a collective (all ranks call it, as in any fastai DDP script): global rank 0 writes atomically,
+a failed write or read raises :class:`ranksafe.RankFailure` on every rank, and every load waits for the writer. In a
+single process they write what fastai's own write. Loads are ``weights_only`` unless ``trusted=True``; the readers of
+pickles (:func:`load_learner`, :func:`load_data`) refuse to run without it. The methods (:data:`METHODS`) take the
+Learner first: they are the mixin's methods, and, through :func:`install`, one Learner instance's own.
 """
 
 from __future__ import annotations
@@ -77,10 +74,8 @@ def load_model(
 ) -> None:
     """fastai's ``load_model`` as a collective: waits for the writer, raises the same error on every rank.
 
-    Weights-only unless ``trusted``. A ``weights_only`` argument (fastai's ``SaveModelCallback`` passes
-    ``weights_only=False`` for the file it wrote itself) is ignored: a model file never needs a full unpickler,
-    and opting in is spelled ``trusted=True`` throughout ranksafe. ``clean_keys``: drop the legacy ``*_raw`` keys
-    of old text models, as ``TextLearner.load`` does.
+    Weights-only unless ``trusted`` (a ``weights_only`` argument, which ``SaveModelCallback`` passes, is ignored: a
+    model file needs no full unpickler). ``clean_keys``: drop old text models' ``*_raw`` keys, as ``TextLearner.load``.
     """
     torch_load_kwargs.pop("weights_only", None)
     device = torch.device("cuda", device) if isinstance(device, int) else device or "cpu"
@@ -148,11 +143,8 @@ def _read_vocab(fname: PathLike, trusted: bool) -> Any:
 def load_pretrained(
     learn: Learner, wgts_fname: PathLike, vocab_fname: PathLike, model: nn.Module | None = None, trusted: bool = False
 ) -> Learner:
-    """``TextLearner.load_pretrained`` as a collective: barrier first, the same error on every rank.
-
-    The vocabulary pickle is read with an unpickler that accepts only built-in containers and strings unless
-    ``trusted``.
-    """
+    """``TextLearner.load_pretrained`` as a collective; the vocabulary pickle is read with an unpickler that accepts
+    only built-in containers and strings unless ``trusted``."""
     text = _text()
     wgts = saving.load(wgts_fname, map_location="cpu", weights_only=not trusted)
     with together("load vocabulary", what=f"load vocabulary {vocab_fname}"):
@@ -167,10 +159,8 @@ def load_pretrained(
 
 
 def export_data(obj: Any, fname: PathLike, pickle_protocol: int = 2) -> Path:
-    """Pickle a fastai object (``DataLoaders``, ``TabularPandas``, a vocabulary...) from rank 0, atomically.
-
-    Collective. Read it back with :func:`load_data` (``trusted=True``: it is a pickle).
-    """
+    """Pickle a fastai object (``DataLoaders``, ``TabularPandas``...) from rank 0, atomically; collective. Read it
+    back with :func:`load_data` (``trusted=True``: it is a pickle)."""
     saving.save(obj, fname, pickle_protocol=pickle_protocol)
     return Path(fname)
 
@@ -183,11 +173,9 @@ def load_data(fname: PathLike, trusted: bool = False, map_location: Any = "cpu")
 
 
 def load_learner(fname: PathLike, cpu: bool = True, pickle_module: Any = pickle, trusted: bool = False) -> Learner:
-    """fastai's ``load_learner`` as a collective (barrier first); it unpickles, so it needs ``trusted=True``.
-
-    A Learner exported with :class:`~ranksafe.fastai.RankSafe` comes back with its rank-safe methods (as it does
-    from fastai's own ``load_learner``).
-    """
+    """fastai's ``load_learner`` as a collective (barrier first); it unpickles, so it needs ``trusted=True``. A
+    Learner exported with :class:`~ranksafe.fastai.RankSafe` comes back with its rank-safe methods (from fastai's
+    ``load_learner`` too)."""
     if not trusted:
         raise UntrustedCheckpoint(fname, "an exported Learner is a pickle; pass trusted=True if you trust the file")
     res = saving.load(
@@ -273,12 +261,9 @@ class _SavePreds(Callback):
 
 
 def get_preds(learn: Learner, *args: Any, save_preds=None, save_targs=None, cbs=None, **kwargs: Any):
-    """``get_preds``; with ``save_preds``/``save_targs`` each batch file is written once, atomically.
-
-    Outside ``distrib_ctx`` every rank predicts on the whole loader, and fastai (which sees ``WORLD_SIZE``) would
-    still gather every batch from every rank, and return the first half of the doubled rows. Batches are gathered
-    only from a sharded loader.
-    """
+    """``get_preds``; with ``save_preds``/``save_targs`` each batch file is written once, atomically. Batches are
+    gathered only from a sharded loader: outside ``distrib_ctx`` every rank predicts on the whole loader, and fastai
+    (which sees ``WORLD_SIZE``) gathered every batch from every rank, returning the first half of the doubled rows."""
     if save_preds is not None or save_targs is not None:
         cbs = [*L(cbs), _SavePreds(save_preds, save_targs, kwargs.get("pickle_protocol", 2))]
     had = vars(learn).get("to_detach")
@@ -311,17 +296,16 @@ METHODS: dict[str, Callable[..., Any]] = {
 
 
 def stock_method(learn: Learner, name: str, ours: Callable[..., Any]) -> Callable[..., Any]:
-    """The method ``name`` that ``ours`` stands in for: the next class's after the one that has ``ours`` (the mixin),
-    else the Learner's class's own."""
+    """The method ``name`` that ``ours`` stands in for: the next class's after the mixin, else the class's own."""
     mro = type(learn).__mro__
     owner = next((k for k in mro if vars(k).get(name) is ours), None)
     return getattr(super(owner, learn), name) if owner is not None else partial(getattr(type(learn), name), learn)
 
 
 def install(learn: Learner, methods: Mapping[str, Callable[..., Any]], added: tuple[str, ...] = ()) -> tuple[str, ...]:
-    """Give ``learn`` (that instance only) ``methods`` as its own: those its class has and does not already take
-    from the mixin, and the ``added`` ones. Each is a ``functools.partial`` of a module-level function, which
-    pickles by reference (a bound method would not: pickle looks it up again by name). Returns the names set."""
+    """Give ``learn`` (that instance only) those ``methods`` its class has (not from the mixin already), and the
+    ``added`` ones; returns their names. Each is a ``functools.partial`` of a module-level function: it pickles by
+    reference, where pickle would bring a bound method back as the class's own (it looks it up by name)."""
     kind = type(learn)
     names = tuple(
         name
