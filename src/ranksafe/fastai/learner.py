@@ -221,7 +221,9 @@ def load(learn: Learner, file: Any, device: Any = None, **kwargs: Any) -> Learne
     return learn
 
 
-def export(learn: Learner, fname: PathLike = "export.pkl", pickle_module: Any = cloudpickle, pickle_protocol: int = 2):
+def export(
+    learn: Learner, fname: PathLike = "export.pkl", pickle_module: Any = cloudpickle, pickle_protocol: int = 2
+) -> Path:
     """Export the Learner for inference (no data, no optimizer state), from rank 0, atomically; collective."""
     target = Path(learn.path) / fname
     with together("export", what=f"export {target}"):
