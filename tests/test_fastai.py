@@ -41,7 +41,7 @@ import ranksafe
 import ranksafe.fastai as rf
 from ranksafe import collectives
 from ranksafe.fastai import RankSafe
-from tests.ranks import run_ranks
+from tests.ranks import free_port, run_ranks
 
 # rank 0 sees NaN first and its best at epoch 2; rank 1 would pick epoch 3
 SAVE_VALUES = {0: [math.nan, 0.5, 0.4, 0.6], 1: [0.9, 0.8, 0.1, 0.05]}
@@ -556,10 +556,12 @@ class FailAtEnd(Callback):
             raise OSError(28, "No space left on device (closing the log, injected on one rank)")
 
 
-def _fails_at_the_end(rank, root, how):
+def _fails_at_the_end(rank, root, how, port=None):
     """Spawned, no RANK, nothing prepared by hand: the Learner has RankSafe, or only this fit does."""
     torch.manual_seed(rank)  # different initial weights: DDP must make them equal
-    learn = _learner(root, how == "attached")
+    learn = _learner(root, how in ("attached", "attached before the process group"))
+    if port is not None:  # the process group comes after the Learner
+        torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     early = [RankSafe()] if how == "fit only, made before distrib_ctx" else []
     watch = Watch()
     start = time.monotonic()
@@ -588,16 +590,17 @@ def test_a_failure_after_the_last_collective_of_a_fit_reaches_every_rank(tmp_pat
     assert r0["weights"] == r1["weights"]
 
 
-def test_a_ranksafe_made_inside_distrib_ctx_under_mp_spawn_refuses_to_train_each_rank_alone(tmp_path):
-    """Under mp.spawn (no RANK), ``distrib_ctx`` entered before any RankSafe existed saw no job: it added no
+@pytest.mark.parametrize("how", ["fit only, made inside distrib_ctx", "attached before the process group"])
+def test_a_ranksafe_made_inside_distrib_ctx_under_mp_spawn_refuses_to_train_each_rank_alone(tmp_path, how):
+    """Under mp.spawn (no RANK), ``distrib_ctx`` entered before RankSafe exported the ranks saw no job: it added no
     DistributedTrainer, and each rank would train its own model while RankSafe treated them as one job. Every rank
     raises instead, before the first epoch, saying what to write."""
-    r0, r1 = run_ranks(
-        _fails_at_the_end, 2, args=(str(tmp_path), "fit only, made inside distrib_ctx"), timeout=180
-    ).values
+    late = how == "attached before the process group"
+    args = (str(tmp_path), how, free_port() if late else None)
+    r0, r1 = run_ranks(_fails_at_the_end, 2, args=args, init=not late, timeout=180).values
     print(r0, r1, sep="\n")
     for v, rank in ((r0, 0), (r1, 1)):
         assert v["error"]["type"] == "RuntimeError", v
         assert f"rank {rank}: fastai sees no distributed job" in v["error"]["msg"], v
-        assert "Make RankSafe before entering distrib_ctx" in v["error"]["msg"], v
+        assert "then make RankSafe (or its Learner) before entering distrib_ctx" in v["error"]["msg"], v
         assert v["shards"] == [] and v["weights"] is None  # no epoch trained

@@ -160,25 +160,26 @@ class RankSafe(Callback):
         if _validating(learn):
             return
         several = topology.world_size() >= 2
+        self._fit = _Fit(guarded=guard(learn.cbs) if several else [])
+        self._exported_ranks |= prepare_distributed()  # a process group made after this callback and its Learner
         if several:
             self._refuse_training_alone()
-        self._fit = _Fit(guarded=guard(learn.cbs) if several else [])
         if self.checkpoint_dir is not None and not any(isinstance(cb, LRFinder) for cb in learn.cbs):
             self._start_checkpointing(self._fit)
 
     def _refuse_training_alone(self) -> None:
-        """Raise if fastai trains each rank alone because it learnt of the job from this callback, too late: under
-        ``mp.spawn`` (no ``RANK``), ``with learn.distrib_ctx(): learn.fit(n, cbs=[RankSafe()])`` entered
-        ``distrib_ctx`` before the ranks were exported, and it added no ``DistributedTrainer``. Every rank lacked
-        ``RANK``, so every rank raises."""
+        """Raise if fastai trains each rank alone because this callback exported the ranks too late for it: under
+        ``mp.spawn`` (no ``RANK``), ``with learn.distrib_ctx(): learn.fit(n, cbs=[RankSafe()])``, or a Learner made
+        before the process group, entered ``distrib_ctx`` before the ranks were exported, and it added no
+        ``DistributedTrainer``. Every rank lacked ``RANK``, so every rank raises (the others hear of it anyway)."""
         late, self._exported_ranks = self._exported_ranks, False
         if late and not any(isinstance(cb, DistributedTrainer) for cb in self.learn.cbs):
             raise RuntimeError(
                 f"rank {topology.rank()}: fastai sees no distributed job: RANK and WORLD_SIZE were not in the "
-                "environment until RankSafe was made, after learn.distrib_ctx() read them (or without it), so the "
-                "model is not wrapped in DistributedDataParallel and each rank would train alone. Make RankSafe "
-                "before entering distrib_ctx (Learner(..., cbs=RankSafe()), or cb = RankSafe() before the with "
-                "block), or call ranksafe.fastai.prepare_distributed() right after init_process_group."
+                "environment when learn.distrib_ctx() was entered (or it was not), so the model is not wrapped in "
+                "DistributedDataParallel and each rank would train alone. Initialise the process group, then make "
+                "RankSafe (or its Learner) before entering distrib_ctx, or call ranksafe.fastai.prepare_distributed() "
+                "right after init_process_group."
             )
 
     def _start_checkpointing(self, fit: _Fit) -> None:
