@@ -286,20 +286,23 @@ class RankSafe(Callback):
     def after_epoch(self) -> None:
         """Every rank takes rank 0's record of this epoch, before any tracker reads it; then the checkpoint. (The
         write side is released first: an epoch cancelled in an earlier ``after_step`` skips our ``after_batch``.)"""
-        learn, fit = self.learn, self._fit
-        fit = None if fit is None or _validating(learn) else fit
-        if fit is not None:
-            self._release()
-            if fit.checkpointing and not fit.trained and self.epoch != len(fit.history) - 1:
-                self._quiet_trackers(fit, bookkeeping=self.epoch < len(fit.history))
-        recorder = getattr(learn, "recorder", None)
-        if topology.world_size() >= 2 and not hasattr(learn, "gather_preds") and getattr(recorder, "values", None):
-            agreed = broadcast(list(recorder.values[-1]), name="fastai: epoch record")
-            recorder.values[-1] = learn.final_record = L(agreed)
-        if fit is not None and fit.checkpointing and fit.trained and (self.epoch + 1) % self.every == 0:
-            state = training_state(learn, fit=fit.ordinal, step_base=fit.base)
+        fit = self._fit if self._fit is not None and not _validating(self.learn) else None
+        checkpointing = fit is not None and fit.checkpointing
+        self._release()
+        if checkpointing and not fit.trained and self.epoch != len(fit.history) - 1:
+            self._quiet_trackers(fit, bookkeeping=self.epoch < len(fit.history))
+        self._agree_on_record()
+        if checkpointing and fit.trained and (self.epoch + 1) % self.every == 0:
+            state = training_state(self.learn, fit=fit.ordinal, step_base=fit.base)
             with self._manager.saving(fit.base + self.epoch, {STATE: state}) as tx:
-                tx.save(rank_state(learn), rng_file(topology.rank()))
+                tx.save(rank_state(self.learn), rng_file(topology.rank()))
+
+    def _agree_on_record(self) -> None:
+        """Every rank's epoch record becomes rank 0's (one broadcast; a ``get_preds`` pass records nothing)."""
+        recorder = getattr(self.learn, "recorder", None)
+        if topology.world_size() >= 2 and not hasattr(self.learn, "gather_preds") and getattr(recorder, "values", None):
+            agreed = broadcast(list(recorder.values[-1]), name="fastai: epoch record")
+            recorder.values[-1] = self.learn.final_record = L(agreed)
 
     def _quiet_trackers(self, fit: _Fit, bookkeeping: bool) -> None:
         """An epoch a resume skips, before the saved one: the trackers acted on it in the run that saved it, and what

@@ -1,17 +1,11 @@
 """Point fastai's distributed path at the process group, and let it run under gloo on CPU.
 
-fastai learns its rank only from environment variables (``rank_distrib()`` reads ``RANK``, ``num_distrib()``
-reads ``WORLD_SIZE``), and its distributed path is written for CUDA:
-
-* under ``mp.spawn`` there is no ``RANK``: ``distrib_ctx()`` does nothing and every process believes it is rank 0;
-* with only ``WORLD_SIZE`` exported, accelerate fills in ``RANK=0`` in every process (every rank trains on data
-  shard 0);
-* without CUDA, accelerate picks non-distributed mode unless told ``cpu=True``, and ``DistributedDL`` sends its
-  sample order through a CUDA tensor whatever the backend.
-
-:func:`prepare_distributed` writes the process group's ranks into the variables torchrun would have exported, and
-:class:`CPUDistributed` (which :class:`~ranksafe.fastai.RankSafe` includes) fixes the loaders' broadcast. Nothing
-here changes a fastai class.
+fastai learns its rank only from ``RANK``/``WORLD_SIZE``: under ``mp.spawn`` there are none, and ``distrib_ctx()``
+does nothing (every process believes it is rank 0); with only ``WORLD_SIZE``, accelerate sets ``RANK=0`` everywhere
+(every rank trains on shard 0). Without CUDA, accelerate picks non-distributed mode unless told ``cpu=True``, and
+``DistributedDL`` sends its sample order through a CUDA tensor whatever the backend. :func:`prepare_distributed`
+exports the process group's ranks as torchrun would; :func:`any_backend` fixes one loader's broadcast, without
+changing fastai's class.
 """
 
 from __future__ import annotations
@@ -76,22 +70,16 @@ def _broadcast(t: list, rank: int) -> list:
 
 
 def any_backend(loaders: Iterable[Any]) -> None:
-    """Let the ``DistributedDL`` among ``loaders`` broadcast under any backend; other loaders are left alone.
-
-    fastai's ``DistributedTrainer`` makes these loaders for one fit (or one prediction pass) and drops them after
-    it, so what is set here goes with them; the function set is module-level, so they still pickle.
-    """
+    """Let the ``DistributedDL`` among ``loaders`` broadcast under any backend. ``DistributedTrainer`` makes them for
+    one pass and drops them after it, so what is set goes with them (a module-level function: they still pickle)."""
     for dl in loaders:
         if isinstance(dl, DistributedDL):
             compat.set_broadcast(dl, _broadcast)
 
 
 class CPUDistributed(Callback):
-    """Let ``learn.distrib_ctx()`` train under gloo on CPU, for a Learner without ``RankSafe`` (which does this too).
-
-    Call :func:`prepare_distributed` after ``init_process_group`` and before ``distrib_ctx``. Models with
-    BatchNorm need ``distrib_ctx(sync_bn=False)`` on CPU: PyTorch's ``SyncBatchNorm`` has no CPU kernel.
-    """
+    """Let ``learn.distrib_ctx()`` train under gloo on CPU, for a Learner without ``RankSafe`` (which does this too);
+    call :func:`prepare_distributed` before ``distrib_ctx``. BatchNorm needs ``distrib_ctx(sync_bn=False)`` on CPU."""
 
     order = DistributedTrainer.order + 1  # right after it has wrapped the loaders
 

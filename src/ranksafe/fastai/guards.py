@@ -1,14 +1,13 @@
 """What RankSafe does to three of fastai's callbacks during a fit on several ranks, so that they act as one job.
 
-* ``CSVLogger``: only rank 0 runs it; on the other ranks it is switched off (``run = False``) for each pass, which
-  fastai switches on again at the pass's end.
-* ``LRFinder`` (``lr_find``): one temporary model, named by rank 0, written once, loaded by every rank, removed once
-  after every rank has loaded it. Each rank used to make its own directory, and only rank 0 found a model in it.
-* ``TerminateOnNaNCallback``: every rank stops after the same batch, when the loss is not finite on any rank. Each
-  rank looking at its own loss stopped one rank while the others went on into the next gradient all-reduce.
+* ``CSVLogger``: switched off (``run = False``, which fastai resets after each pass) on every rank but rank 0.
+* ``LRFinder``: one temporary model, named by rank 0, written once, loaded by every rank, removed once (each rank
+  made its own directory, and only rank 0 found a model in it).
+* ``TerminateOnNaNCallback``: every rank stops after the same batch (each rank looking at its own loss stopped one
+  rank while the others went on into the next gradient all-reduce).
 
-The last two get events of their own on the instance (:func:`guard`), as ``functools.partial`` objects so that a
-Learner pickled during the fit still pickles; :func:`unguard` takes them off when the fit is over.
+The last two get events of their own on the instance (:func:`guard`), ``functools.partial`` objects that pickle;
+:func:`unguard` takes them off when the fit is over.
 """
 
 from __future__ import annotations
