@@ -5,8 +5,9 @@ RankSafe's cost in a fit without checkpoints: two small collectives per epoch (a
 0's epoch record broadcast before the trackers read it) and, with ``TerminateOnNaNCallback`` on the Learner, the
 every rank's loss flag combined after every batch (an all-reduce of one float), so that every rank stops after
 the same batch. The baseline is the same DDP fit without RankSafe (each rank checks its own loss), with only the two
-fixes that let fastai's DDP run on CPU at all (:func:`ranksafe.fastai.cpu.prepare_distributed`). The model is
-fixed (an MLP with 8 MiB of weights: DDP all-reduces its gradients every batch), whatever ``--sizes-mib`` says.
+fixes that let fastai's DDP run on CPU at all (:func:`ranksafe.fastai.prepare_distributed` and
+:class:`ranksafe.fastai.CPUDistributed`). The model is fixed (an MLP with 8 MiB of weights: DDP all-reduces its
+gradients every batch), whatever ``--sizes-mib`` says.
 
     python benchmarks/fastai_fit.py --reps 5
 """
@@ -56,10 +57,10 @@ def _rank(rank: int, world: int, rendezvous: str, reps: int, out: Any) -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)  # two ranks on two cores
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
-    from ranksafe.fastai.cpu import prepare_distributed
+    from ranksafe.fastai import CPUDistributed, prepare_distributed
 
     prepare_distributed()  # fastai's DDP on CPU (gloo), for both methods: the baseline is a real DDP fit
-    learn = _learner(rank, [TerminateOnNaNCallback()])
+    learn = _learner(rank, [TerminateOnNaNCallback(), CPUDistributed()])
     times: dict[str, list[float]] = {"stock": [], "ranksafe": []}
     with learn.no_bar(), learn.no_logging(), learn.distrib_ctx(sync_bn=False):
         learn.fit(1, 1e-3)  # warm-up: DDP's buckets, the threads, the caches

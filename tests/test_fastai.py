@@ -5,6 +5,8 @@ Each multi-process run combines several checks (fastai's import costs seconds pe
 
 from __future__ import annotations
 
+import functools
+import io
 import math
 import os
 import pickle
@@ -14,7 +16,12 @@ import pytest
 
 pytest.importorskip("fastai")
 
+import cloudpickle
 import torch
+from fastai.callback.schedule import LRFinder
+from fastai.callback.tracker import TerminateOnNaNCallback
+from fastai.data.core import DataLoaders
+from fastai.data.load import DataLoader
 from fastai.tabular.all import (
     Callback,
     CSVLogger,
@@ -34,7 +41,7 @@ import ranksafe
 import ranksafe.fastai as rf
 from ranksafe import collectives
 from ranksafe.fastai import RankSafe
-from tests.ranks import run_ranks
+from tests.ranks import free_port, run_ranks
 
 # rank 0 sees NaN first and its best at epoch 2; rank 1 would pick epoch 3
 SAVE_VALUES = {0: [math.nan, 0.5, 0.4, 0.6], 1: [0.9, 0.8, 0.1, 0.05]}
@@ -114,6 +121,55 @@ class CountSaves:
         return self._orig(*a, **k)
 
 
+def roundtrip(obj, module=pickle):
+    """``obj`` through ``module`` (pickle, or cloudpickle as fastai's ``export`` uses) and back, leaving out what fastai
+    itself cannot pickle in the middle of a fit on several ranks: its loaders (they hold iterators) and open files
+    (CSVLogger's log)."""
+
+    class Pickler(module.Pickler):
+        def persistent_id(self, o):
+            return "left out" if isinstance(o, (DataLoader, DataLoaders, io.IOBase)) else None
+
+    class Unpickler(pickle.Unpickler):
+        def persistent_load(self, pid):
+            return None
+
+    buffer, counting = io.BytesIO(), torch.save
+    torch.save = getattr(counting, "_orig", counting)  # a tensor pickles through torch.save: not a file written
+    try:
+        Pickler(buffer).dump(obj)
+    finally:
+        torch.save = counting
+    buffer.seek(0)
+    return Unpickler(buffer).load()
+
+
+def bound_to_itself(copy) -> list[str]:
+    """The ranksafe methods or events a copy came back with, bound to the copy itself (a RankSafe: its Learner's)."""
+    copy = copy.learn if isinstance(copy, RankSafe) else copy
+    return sorted(k for k, v in vars(copy).items() if isinstance(v, functools.partial) and v.args[:1] == (copy,))
+
+
+LEARNER_METHODS = ["export", "fit", "get_preds", "load", "resume", "save"]  # those of a tabular Learner
+
+
+class Pickles(Callback):
+    """At the first epoch end of a fit, each object ranksafe sets something on goes through pickle and cloudpickle."""
+
+    order = 90
+
+    def before_fit(self):
+        self.copies, self.finder = {}, next((cb for cb in self.learn.cbs if isinstance(cb, LRFinder)), None)
+
+    def after_epoch(self):
+        if self.copies:
+            return
+        for obj in (self.learn, *self.learn.cbs):
+            if isinstance(obj, (Learner, RankSafe, CSVLogger, TerminateOnNaNCallback, LRFinder)):
+                for module in (pickle, cloudpickle):
+                    self.copies[f"{type(obj).__name__} {module.__name__}"] = bound_to_itself(roundtrip(obj, module))
+
+
 def _learner(path, safe: bool, *cbs) -> Learner:
     extra = [RankSafe()] if safe else []
     return Learner(tabular_dls(path), Lin(), loss_func=MSELossFlat(), path=path, cbs=[*extra, *cbs])
@@ -136,12 +192,14 @@ def _ddp_with_ranksafe(rank, root):
     learn = _learner(root, True, CSVLogger())
     out["env_rank"] = os.environ.get("RANK")
 
-    # SaveModelCallback, disagreeing values, NaN on rank 0 at epoch 0
-    watch = _fit_watch(learn, 4, Inject(SAVE_VALUES[rank]), SaveModelCallback(fname="best"))
+    # SaveModelCallback, disagreeing values, NaN on rank 0 at epoch 0; what ranksafe sets pickles meanwhile
+    nan, pickles = TerminateOnNaNCallback(), Pickles()
+    watch = _fit_watch(learn, 4, Inject(SAVE_VALUES[rank]), SaveModelCallback(fname="best"), nan, pickles)
     out["save"] = {
         "final": params(learn), "per_epoch": watch.weights, "shards": watch.shards, "saves": saves.n,
         "best": learn.recorder.values[-1],
     }  # fmt: skip
+    out["pickled"] = {"during": pickles.copies, "after": sorted(k for k in vars(nan) if k.endswith("batch"))}
     with open(os.path.join(root, "history.csv")) as f:
         out["csv"] = f.read()
 
@@ -156,9 +214,13 @@ def _ddp_with_ranksafe(rank, root):
 
     # lr_find: one temporary model, loaded by every rank, removed once
     before = params(learn)
+    learn.add_cb(pickles)
     with learn.no_bar(), learn.no_logging(), learn.distrib_ctx(sync_bn=False):
         learn.lr_find(num_it=6, show_plot=False)
+    learn.remove_cb(pickles)
     out["lr_find"] = {"restored": params(learn) == before, "models": sorted(os.listdir(os.path.join(root, "models")))}
+    out["pickled"]["lr_find"] = pickles.copies
+    out["pickled"]["lr_find after"] = sorted(k for k in vars(pickles.finder) if k.endswith("fit"))
 
     # export + load_learner, one writer
     n = saves.n
@@ -194,17 +256,24 @@ def test_ranksafe_ddp_decisions_writers_and_lr_find(tmp_path):
     # lr_find restored the weights on every rank and left only the saved best model
     assert r0["lr_find"] == r1["lr_find"] == {"restored": True, "models": ["best.pth"]}
     assert (r0["export"]["saves"], r1["export"]["saves"]) == (1, 0) and r0["export"]["same"] and r1["export"]["same"]
+    # during the fit, what ranksafe sets pickles, with pickle and with cloudpickle, and comes back bound to the copy
+    both = lambda kinds: {f"{k} {m}": v for k, v in kinds.items() for m in ("pickle", "cloudpickle")}  # noqa: E731
+    common = {"Learner": LEARNER_METHODS, "RankSafe": LEARNER_METHODS, "CSVLogger": []}
+    for v in (r0, r1):
+        assert v["pickled"]["during"] == both({**common, "TerminateOnNaNCallback": ["after_batch"]}), v["pickled"]
+        assert v["pickled"]["lr_find"] == both({**common, "LRFinder": ["after_fit", "before_fit"]}), v["pickled"]
+        assert v["pickled"]["after"] == [] and v["pickled"]["lr_find after"] == []  # taken off when the fit is over
 
 
 # ------------------------------------------------- run 2: the stock control (fastai's callbacks, CPU fix only)
 
 
 def _ddp_stock(rank, root):
-    from ranksafe.fastai.cpu import prepare_distributed
+    from ranksafe.fastai import CPUDistributed, prepare_distributed
 
-    prepare_distributed()  # torchrun-like env: fastai knows its rank; this only lets DDP run on CPU
+    prepare_distributed()  # torchrun-like env: fastai knows its rank
     torch.manual_seed(rank)
-    learn = _learner(root, False)
+    learn = _learner(root, False, CPUDistributed())  # this only lets DDP run on CPU
     save = SaveModelCallback(fname="best")
     _fit_watch(learn, 4, Inject(SAVE_VALUES[rank]), save)
     out = {"best": save.best, "final": params(learn)}
@@ -453,7 +522,7 @@ def test_terminate_on_nan_stops_every_rank_at_the_same_batch(tmp_path):
 def _fit_scoped_fails_alone(rank, root):
     """RankSafe passed to this fit only (``fit(cbs=[RankSafe()])``), not attached to the Learner: its ``fit`` is
     fastai's own, with no ranksafe wrapper around it. Rank 1 fails alone at the end of epoch 1."""
-    from ranksafe.fastai.cpu import prepare_distributed
+    from ranksafe.fastai import prepare_distributed
 
     prepare_distributed()  # what torchrun's variables would do: distrib_ctx below trains with DDP
     learn = _learner(root, False)
@@ -487,28 +556,31 @@ class FailAtEnd(Callback):
             raise OSError(28, "No space left on device (closing the log, injected on one rank)")
 
 
-def _fails_at_the_end(rank, root, attached):
+def _fails_at_the_end(rank, root, how, port=None):
     """Spawned, no RANK, nothing prepared by hand: the Learner has RankSafe, or only this fit does."""
     torch.manual_seed(rank)  # different initial weights: DDP must make them equal
-    learn = _learner(root, attached)
+    learn = _learner(root, how in ("attached", "attached before the process group"))
+    if port is not None:  # the process group comes after the Learner
+        torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    early = [RankSafe()] if how == "fit only, made before distrib_ctx" else []
     watch = Watch()
     start = time.monotonic()
     try:
         with learn.no_bar(), learn.no_logging(), learn.distrib_ctx(sync_bn=False):
-            learn.fit(2, 1e-2, cbs=[watch, FailAtEnd(rank=1), *([] if attached else [RankSafe()])])  # made in here
+            late = [RankSafe()] if how == "fit only, made inside distrib_ctx" else []
+            learn.fit(2, 1e-2, cbs=[watch, FailAtEnd(rank=1), *early, *late])
         error = None
     except Exception as e:
-        error = {"type": type(e).__name__, "msg": str(e)[:400]}
-    return {"error": error, "seconds": time.monotonic() - start, "shards": watch.shards, "weights": watch.weights[-1]}
+        error = {"type": type(e).__name__, "msg": str(e)[:600]}
+    seen = vars(watch)  # empty when no before_fit reached it
+    weights = seen["weights"][-1] if seen.get("weights") else None
+    return {"error": error, "seconds": time.monotonic() - start, "shards": seen.get("shards", []), "weights": weights}
 
 
-@pytest.mark.parametrize("attached", [True, False], ids=["attached", "fit only"])
-def test_a_failure_after_the_last_collective_of_a_fit_reaches_every_rank_and_a_fit_only_ranksafe_trains_ddp(
-    tmp_path, attached
-):
-    """Before: rank 1 failing in ``after_fit`` alone left rank 0's fit returning as if all went well; and with
-    RankSafe passed to the fit only, distrib_ctx was entered before it existed: under mp.spawn no DDP at all."""
-    r0, r1 = run_ranks(_fails_at_the_end, 2, args=(str(tmp_path), attached), timeout=180).values
+@pytest.mark.parametrize("how", ["attached", "fit only, made before distrib_ctx"])
+def test_a_failure_after_the_last_collective_of_a_fit_reaches_every_rank(tmp_path, how):
+    """Before: rank 1 failing in ``after_fit`` alone left rank 0's fit returning as if all went well."""
+    r0, r1 = run_ranks(_fails_at_the_end, 2, args=(str(tmp_path), how), timeout=180).values
     print(r0, r1, sep="\n")
     assert r1["error"]["type"] == "OSError"
     assert r0["error"] is not None and r0["error"]["type"] == "RankFailure[OSError]", r0
@@ -516,3 +588,19 @@ def test_a_failure_after_the_last_collective_of_a_fit_reaches_every_rank_and_a_f
     for v, rank in ((r0, 0), (r1, 1)):  # DDP on two data shards, whichever way RankSafe came
         assert v["shards"][0] == ("DistributedDataParallel", rank, 2), v["shards"]
     assert r0["weights"] == r1["weights"]
+
+
+@pytest.mark.parametrize("how", ["fit only, made inside distrib_ctx", "attached before the process group"])
+def test_a_ranksafe_made_inside_distrib_ctx_under_mp_spawn_refuses_to_train_each_rank_alone(tmp_path, how):
+    """Under mp.spawn (no RANK), ``distrib_ctx`` entered before RankSafe exported the ranks saw no job: it added no
+    DistributedTrainer, and each rank would train its own model while RankSafe treated them as one job. Every rank
+    raises instead, before the first epoch, saying what to write."""
+    late = how == "attached before the process group"
+    args = (str(tmp_path), how, free_port() if late else None)
+    r0, r1 = run_ranks(_fails_at_the_end, 2, args=args, init=not late, timeout=180).values
+    print(r0, r1, sep="\n")
+    for v, rank in ((r0, 0), (r1, 1)):
+        assert v["error"]["type"] == "RuntimeError", v
+        assert f"rank {rank}: fastai sees no distributed job" in v["error"]["msg"], v
+        assert "then make RankSafe (or its Learner) before entering distrib_ctx" in v["error"]["msg"], v
+        assert v["shards"] == [] and v["weights"] is None  # no epoch trained

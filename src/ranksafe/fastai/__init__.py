@@ -1,6 +1,7 @@
 """fastai integration: ``Learner(..., cbs=RankSafe())`` or ``class MyLearner(RankSafeLearner, Learner)``.
 
-Importable only where fastai is installed; the ranksafe core never imports this package.
+Importable only where fastai is installed; the ranksafe core never imports this package. Importing it changes no
+fastai class: everything happens on the Learners that RankSafe is attached to.
 """
 
 try:
@@ -8,10 +9,9 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("ranksafe.fastai needs fastai: pip install 'ranksafe[fastai]'") from e
 
-from .callback import RankSafe
-from .cpu import enable_cpu_distributed, follow_process_group
+from .callback import RankSafe, RankSafeLearner
+from .distributed import CPUDistributed, follow_process_group, prepare_distributed
 from .learner import (
-    RankSafeLearner,
     export_data,
     load_data,
     load_encoder,
@@ -23,9 +23,9 @@ from .learner import (
 )
 
 __all__ = [
+    "CPUDistributed",
     "RankSafe",
     "RankSafeLearner",
-    "enable_cpu_distributed",
     "export_data",
     "follow_process_group",
     "load_data",
@@ -33,6 +33,7 @@ __all__ = [
     "load_learner",
     "load_model",
     "load_pretrained",
+    "prepare_distributed",
     "save_encoder",
     "save_model",
 ]

@@ -1,0 +1,98 @@
+"""What RankSafe does to three of fastai's callbacks during a fit on several ranks, so that they act as one job.
+
+* ``CSVLogger``: switched off (``run = False``, which fastai resets after each pass) on every rank but rank 0.
+* ``LRFinder``: one temporary model, named by rank 0, written once, loaded by every rank, removed once (each rank
+  made its own directory, and only rank 0 found a model in it).
+* ``TerminateOnNaNCallback``: every rank stops after the same batch (each rank looking at its own loss stopped one
+  rank while the others went on into the next gradient all-reduce).
+
+The last two get events of their own on the instance (:func:`guard`), ``functools.partial`` objects that pickle;
+:func:`unguard` takes them off when the fit is over.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from fastai.callback.core import Callback
+from fastai.callback.progress import CSVLogger
+from fastai.callback.schedule import LRFinder, ParamScheduler
+from fastai.callback.tracker import TerminateOnNaNCallback
+from fastai.learner import CancelFitException, Learner
+
+from .. import topology
+from ..collectives import broadcast, together
+
+
+def _nan_after_batch(cb: TerminateOnNaNCallback) -> None:
+    """One all-reduce (MAX) of one flag per batch: the same answer on every rank."""
+    if topology.world_size() < 2:  # a copy pickled during the fit, used in one process: fastai's own
+        return TerminateOnNaNCallback.after_batch(cb)
+    bad = (~torch.isfinite(cb.loss.detach())).any().float().reshape(1)
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    if bad.item():
+        raise CancelFitException
+
+
+def _lr_finder_before_fit(cb: LRFinder) -> None:
+    ParamScheduler.before_fit(cb)
+    models = Path(cb.path) / cb.model_dir
+    name = None
+    with together("lr_find: temporary directory"):
+        if topology.is_main():
+            models.mkdir(parents=True, exist_ok=True)
+            name = Path(tempfile.mkdtemp(dir=models)).name
+    cb.tmp_p = broadcast(name, name="lr_find: temporary directory")
+    cb.learn.save(f"{cb.tmp_p}/_tmp")
+    cb.best_loss = float("inf")
+
+
+def _lr_finder_after_fit(cb: LRFinder) -> None:
+    cb.learn.opt.zero_grad()  # fastai: needed before detaching the optimizer for future fits
+    try:
+        cb.learn.load(f"{cb.tmp_p}/_tmp", with_opt=True)  # returns on a rank once every rank has read it
+    finally:
+        with together("lr_find: remove temporary model"):
+            if topology.is_main():
+                shutil.rmtree(Path(cb.path) / cb.model_dir / cb.tmp_p, ignore_errors=True)
+
+
+_EVENTS: dict[type, dict[str, Callable[[Callback], None]]] = {
+    TerminateOnNaNCallback: {"after_batch": _nan_after_batch},
+    LRFinder: {"before_fit": _lr_finder_before_fit, "after_fit": _lr_finder_after_fit},
+}
+
+
+def guard(cbs: Iterable[Callback]) -> list[tuple[Callback, tuple[str, ...]]]:
+    """Give the ``LRFinder`` and ``TerminateOnNaNCallback`` among ``cbs`` their rank-safe events; returns what was
+    set, for :func:`unguard`."""
+    guarded = []
+    for cb in cbs:
+        for kind, events in _EVENTS.items():
+            if isinstance(cb, kind):
+                for name, event in events.items():
+                    vars(cb)[name] = partial(event, cb)  # looked up on the instance first
+                guarded.append((cb, tuple(events)))
+    return guarded
+
+
+def unguard(guarded: Iterable[tuple[Callback, tuple[str, ...]]]) -> None:
+    """Take off what :func:`guard` set."""
+    for cb, names in guarded:
+        for name in names:
+            vars(cb).pop(name, None)
+
+
+def quiet_csv_loggers(learn: Learner, quiet: bool = True) -> None:
+    """Switch the ``CSVLogger`` off (or back on) on every rank but rank 0; called before the logger's ``before_fit``
+    and ``after_fit``, which then do not run."""
+    if not topology.is_main():
+        for cb in learn.cbs:
+            if isinstance(cb, CSVLogger):
+                cb.run = not quiet
