@@ -202,16 +202,15 @@ def _stageable(t: torch.Tensor) -> tuple[torch.Tensor, Clothes | None] | None:
 class _Flattener:
     """One walk over a state: a copy of its structure with a slot for each tensor to stage, and those tensors.
 
-    Walked: dicts (and their subclasses), UserDicts, lists, tuples and namedtuples. A tensor met again gets the same
-    slot, so one object stays one object. Every other leaf, and any other container, is deep-copied now: what the
-    caller changes in the state after the capture never reaches the snapshot."""
+    Walked: dicts (and their subclasses), UserDicts, lists, tuples and namedtuples. Every other leaf, and any other
+    container, is deep-copied now: what the caller changes in the state after the capture never reaches the
+    snapshot. A tensor met twice gets two slots, made one object again at assembly (:meth:`aliases`)."""
 
     def __init__(self) -> None:
         self.sources: list[torch.Tensor] = []  # the tensors to stage, in slot order
         self.originals: list[torch.Tensor] = []  # the tensor each source stands for (a DTensor for its shard)
         self.clothes: dict[int, Clothes] = {}  # by slot: how a staged copy is dressed, read now, not at assembly
         self.made: set[int] = set()  # ids of the containers this walk made: the ones assembly fills in
-        self._seen: dict[int, Any] = {}  # id of a tensor met -> its slot or its copy
         self._memo: dict[int, Any] = {}  # deepcopy's: an object met twice is copied once
 
     def walk(self, obj: Any) -> Any:
@@ -222,7 +221,8 @@ class _Flattener:
         if isinstance(obj, torch.Tensor):
             return self._tensor(obj)
         if kind is dict:
-            return self._made({k: self.walk(v) for k, v in obj.items()})
+            tensor = torch.Tensor  # the bulk of a state: tensors in dicts, taken without the general path
+            return self._made({k: self._tensor(v) if isinstance(v, tensor) else self.walk(v) for k, v in obj.items()})
         if kind is list:
             return self._made([self.walk(v) for v in obj])
         if kind is tuple:
@@ -251,26 +251,32 @@ class _Flattener:
             out[k] = self.walk(v)
         return self._made(out)
 
-    def _made(self, container: Any) -> Any:
+    def _made(self, container: Any) -> Any:  # a container of ours: assembly may fill it in place
         self.made.add(id(container))
         return container
 
     def _tensor(self, t: torch.Tensor) -> Any:
-        found = self._seen.get(id(t))
-        if found is None:
-            parts = _stageable(t)
-            if parts is None and (t.is_nested or t.layout in _COMPRESSED):  # deepcopy cannot reach their storage
-                found = t.detach().clone()
-            elif parts is None:
-                found = copy.deepcopy(t, self._memo)  # keeps its type and flags
-            else:
-                found = _Slot(len(self.sources))
-                self.sources.append(parts[0])
-                self.originals.append(t)
-                if parts[1] is not None:
-                    self.clothes[found.index] = parts[1]
-            self._seen[id(t)] = found
-        return found
+        parts = _stageable(t)
+        if parts is None:  # copied now: deep-copied (which keeps its type and flags), or cloned where deepcopy
+            if id(t) not in self._memo:  # cannot reach the storage; a tensor met again is the same copy
+                whole = t.is_nested or t.layout in _COMPRESSED
+                self._memo[id(t)] = t.detach().clone() if whole else copy.deepcopy(t, self._memo)
+            return self._memo[id(t)]
+        slot = _Slot(len(self.sources))
+        self.sources.append(parts[0])
+        self.originals.append(t)
+        if parts[1] is not None:
+            self.clothes[slot.index] = parts[1]
+        return slot
+
+    def aliases(self) -> dict[int, int]:
+        """Slots whose tensor is the very object of an earlier slot (their first): one object in the state stays
+        one object in the snapshot. Telling them apart as they come would cost a lookup per tensor."""
+        ids = list(map(id, self.originals))
+        if len(set(ids)) == len(ids):
+            return {}
+        first: dict[int, int] = {}
+        return {i: first[x] for i, x in enumerate(ids) if first.setdefault(x, i) != i}
 
 
 def _fill(obj: Any, values: list[torch.Tensor], made: set[int]) -> Any:
@@ -360,7 +366,8 @@ class Captured:
     assembled yet. :meth:`assemble` builds it; the background writer does that, off the caller's clock."""
 
     def __init__(self, flat: _Flattener, skeleton: Any, staged: list[torch.Tensor]) -> None:
-        self._skeleton, self._staged, self._clothes, self._made = skeleton, staged, flat.clothes, flat.made
+        self._skeleton, self._staged, self._made = skeleton, staged, flat.made
+        self._clothes, self._aliases = flat.clothes, flat.aliases()
 
     def assemble(self) -> Any:
         """The captured structure holding the staged copies, dressed as the originals were. Once: the skeleton is
@@ -368,6 +375,8 @@ class Captured:
         values = list(self._staged)
         for i, clothes in self._clothes.items():
             values[i] = clothes.dress(values[i])
+        for i, first in self._aliases.items():
+            values[i] = values[first]
         return _fill(self._skeleton, values, self._made)
 
 
