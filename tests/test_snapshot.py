@@ -250,6 +250,29 @@ def test_a_changed_dtype_shape_or_tie_builds_a_new_layout_that_keeps_the_staged_
     assert staging.nbytes == 100_000 * 4 + 110 * 4 + 6 * 4
 
 
+def test_every_change_at_the_same_address_reaches_the_snapshot_as_torch_save_would_write_it():
+    """New views of the same memory keep every address; the layout must still see each change, and the staged
+    copy be dressed as the tensor is now, not as it was when the layout was built."""
+    flat, c, small = torch.randn(1000), torch.randn(8, dtype=torch.complex64), torch.ones(4)
+    model = {"flat": flat, "c": c, "small": small}
+    staging = StagingBuffers()
+    staging.take(model)
+    changes = [
+        ("flat", flat.view(torch.int32)),  # another dtype
+        ("flat", flat.view(10, 100)),  # another shape
+        ("flat", torch.nn.Parameter(flat, requires_grad=False)),  # now a Parameter
+        ("c", c.conj()),  # a lazy conjugate: its values are not its bytes
+        ("small", small.detach().requires_grad_()),  # now requires grad
+        ("small", small.view(2, 2).t()),  # another shape and strides
+    ]
+    for n, (key, value) in enumerate(changes):
+        got = staging.take(model | {key: value})[key]
+        assert type(got) is type(value) and got.dtype == value.dtype and got.shape == value.shape, n
+        assert got.requires_grad == value.requires_grad and torch.equal(got.detach(), value.detach()), n
+        back = staging.take(model)[key]  # and back to the first layout
+        assert type(back) is torch.Tensor and not back.requires_grad and torch.equal(back, model[key]), n
+
+
 def test_values_changed_after_the_capture_do_not_reach_the_snapshot():
     """The copy is taken when capture() returns; the writer thread assembles it later, while training goes on."""
     w, log = torch.zeros(1000), {"loss": [1.0]}

@@ -179,6 +179,14 @@ Clothes = _Grad | _AsDTensor
 _REQUIRES_GRAD = _Grad(parameter=False, requires_grad=True)
 
 
+def _dtensor_parts(t: Any) -> tuple[torch.Tensor, _AsDTensor]:
+    """A DTensor's local shard, and how to make its staged copy that DTensor again."""
+    names, context = t.__tensor_flatten__()
+    inner = {name: getattr(t, name) for name in names}
+    (local,) = [name for name, value in inner.items() if isinstance(value, torch.Tensor)]
+    return inner[local], _AsDTensor(inner, local, context, t.shape, t.stride())
+
+
 def _stageable(t: torch.Tensor) -> tuple[torch.Tensor, Clothes | None] | None:
     """The tensor whose values a snapshot stages for ``t`` (a DTensor's local shard) and how to dress the staged
     copy; None where no flat copy can hold ``t``: an unknown subclass, or a sparse, nested, quantized or meta one."""
@@ -188,15 +196,14 @@ def _stageable(t: torch.Tensor) -> tuple[torch.Tensor, Clothes | None] | None:
     elif kind is torch.nn.Parameter:
         local, clothes = t, _Grad(parameter=True, requires_grad=t.requires_grad)
     elif DTensor is not None and kind is DTensor:
-        names, context = t.__tensor_flatten__()
-        inner = {name: getattr(t, name) for name in names}
-        (name,) = [name for name, value in inner.items() if isinstance(value, torch.Tensor)]
-        local, clothes = inner[name], _AsDTensor(inner, name, context, t.shape, t.stride())
+        local, clothes = _dtensor_parts(t)
+        if type(local) not in _PLAIN:
+            return None
     else:
         return None
-    if type(local) not in _PLAIN or local.layout is not torch.strided or local.is_quantized or local.is_nested:
+    if local.layout is not torch.strided or local.is_quantized or local.is_nested or local.is_meta:
         return None
-    return None if local.is_meta else (local, clothes)
+    return local, clothes
 
 
 class _Flattener:
