@@ -418,17 +418,19 @@ class StagingBuffers:
         for i in [] if self._layout is None else self._layout.untied:
             dtype, shape, device, _ = self._layout.key[i]
             spare.setdefault((dtype, shape, device.type == "cuda"), []).append(self._layout.staged[i])
-        self._layout = None  # what is not taken over is freed before anything is allocated
-        staged: list[torch.Tensor] = []
+        self._layout = None
+        staged: list[Any] = [None] * len(key)
+        for i, (dtype, shape, device, owner) in enumerate(key):
+            if owner == i and (free := spare.get((dtype, shape, device.type == "cuda"))):
+                staged[i] = free.pop()
+        for untaken in spare.values():  # freed before anything is allocated
+            untaken.clear()
         allocated = False
         for i, (dtype, shape, device, owner) in enumerate(key):
-            pinned = device.type == "cuda"  # so that the copy from the GPU need not block
             if owner != i:  # another tensor object over the same bytes, as state_dict() gives tied weights
-                staged.append(staged[owner].detach())
-            elif free := spare.get((dtype, shape, pinned)):
-                staged.append(free.pop())
-            else:
-                staged.append(torch.empty(shape, dtype=dtype, pin_memory=pinned))
+                staged[i] = staged[owner].detach()
+            elif staged[i] is None:  # pinned for a GPU tensor, so that its copy need not block
+                staged[i] = torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
                 allocated = True
         self.allocations += allocated
         return _Layout(key, staged)
