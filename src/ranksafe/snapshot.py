@@ -264,10 +264,12 @@ class _Flattener:
 
     def _tensor(self, t: torch.Tensor) -> Any:
         parts = _stageable(t)
-        if parts is None:  # copied now: deep-copied (which keeps its type and flags), or cloned where deepcopy
-            if id(t) not in self._memo:  # cannot reach the storage; a tensor met again is the same copy
-                whole = t.is_nested or t.layout in _COMPRESSED
-                self._memo[id(t)] = t.detach().clone() if whole else copy.deepcopy(t, self._memo)
+        if parts is None:
+            # Copied now: deep-copied, which keeps its type and flags, or cloned where deepcopy cannot reach the
+            # storage. A tensor met again is the same copy.
+            if id(t) not in self._memo:
+                unreachable = t.is_nested or t.layout in _COMPRESSED
+                self._memo[id(t)] = t.detach().clone() if unreachable else copy.deepcopy(t, self._memo)
             return self._memo[id(t)]
         slot = _Slot(len(self.sources))
         self.sources.append(parts[0])
