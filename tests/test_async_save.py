@@ -574,7 +574,7 @@ d = {tmp!r}
 saver = AsyncSaver()
 state = {{"w": torch.zeros(1000)}}  # small: a forked child hangs in any OpenMP region torch opens (not ours)
 assert saver.save(state, os.path.join(d, "parent.pt")) and saver.wait(10)
-staged = saver.staging._views[0]  # the parent's staged copy, in the staging buffer
+staged = saver.staging.buffers[0]  # the parent's staged copy of "w"
 pid = os.fork()
 if pid == 0:  # the child saves with the saver it inherited: its own thread, its own buffer pages
     state["w"] += 7
