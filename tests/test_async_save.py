@@ -16,7 +16,7 @@ import torch
 import ranksafe
 from ranksafe.async_save import AsyncSaver
 from ranksafe.files import atomic_save, load_file
-from ranksafe.snapshot import StateDictLock
+from ranksafe.lock import StateDictLock
 from tests.ranks import run_ranks
 
 

@@ -10,7 +10,8 @@ import time
 import pytest
 import torch
 
-from ranksafe.snapshot import StagingBuffers, StateDictLock
+from ranksafe.lock import StateDictLock
+from ranksafe.snapshot import StagingBuffers
 from tests.ranks import run_ranks
 
 # --------------------------------------------------------------------------------------------------- lock

@@ -17,8 +17,9 @@ from .errors import (
     UntrustedCheckpoint,
 )
 from .files import atomic_save, atomic_write, load_file, verify_file
+from .lock import StateDictLock
 from .saving import load, prepare_dir, save
-from .snapshot import Captured, StagingBuffers, StateDictLock
+from .snapshot import Captured, StagingBuffers
 from .topology import is_local_main, is_main, local_rank, node_rank, rank, world_size
 
 __version__ = "0.1.0"

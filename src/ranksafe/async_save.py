@@ -1,7 +1,7 @@
 """Checkpoints written in the background: the caller is blocked only while a snapshot is taken.
 
 :class:`AsyncSaver` snapshots the state into reusable staging buffers (under the read side of a
-:class:`~ranksafe.snapshot.StateDictLock`, so never mid-step) and hands the snapshot to a writer thread that
+:class:`~ranksafe.lock.StateDictLock`, so never mid-step) and hands the snapshot to a writer thread that
 commits it with the same atomic protocol as a synchronous save (:func:`ranksafe.files.atomic_save`).
 
 Failures travel like every ranksafe failure: the background thread records its exception, and
@@ -29,9 +29,10 @@ from . import remote, topology
 from .collectives import share_outcome, together
 from .errors import BarrierTimeout, CollectiveMismatch
 from .files import atomic_save, local_path, make_dirs, probe_write
+from .lock import StateDictLock
 from .saving import Writer, error_naming_target, is_writer
 from .sharded import refuse_sharded
-from .snapshot import Captured, StagingBuffers, StateDictLock
+from .snapshot import Captured, StagingBuffers
 
 Policy = Literal["wait", "skip"]
 OnCommit = Callable[[Any], None]

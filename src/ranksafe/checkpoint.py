@@ -53,10 +53,10 @@ from .commit import (
 )
 from .errors import BarrierTimeout, CollectiveMismatch, Failure, rank_failure
 from .files import ChecksummingWriter, load_file, local_path, probe_write, save_with_footer
+from .lock import StateDictLock
 from .remote import Remote
 from .saving import error_naming_target
 from .sharded import refuse_sharded
-from .snapshot import StateDictLock
 from .storage import Placement, Storage, placement
 
 __all__ = [

@@ -1,24 +1,19 @@
-"""A consistent copy of training state, taken fast enough that training does not notice.
+"""A consistent copy of training state, taken fast enough that training does not notice. Local: no collectives.
 
-Two pieces, both local (no collectives):
-
-* :class:`StateDictLock`, a writer-preferring reader/writer lock. The optimizer step holds the *write* side;
-  a snapshot holds the *read* side, so it never copies weights that are half-way through an update, and a
-  waiting step is never starved by a stream of snapshots.
-* :class:`StagingBuffers`, the destination of snapshots. A capture walks the state once: containers are copied,
-  each tensor is replaced by a slot, everything else is deep-copied. Then torch copies the tensors into staged
-  tensors allocated for the state's *layout* (every tensor's dtype, shape and device, and which of them are tied)
-  and reused while the layout stays. CUDA tensors go to pinned memory with non-blocking copies and one
-  synchronisation per device. The writer thread puts the staged tensors into the slots (:meth:`Captured.assemble`).
+:class:`StagingBuffers` is the destination of snapshots. A capture walks the state once: containers are copied,
+each tensor is replaced by a slot, everything else is deep-copied. Then torch copies the tensors into staged
+tensors allocated for the state's *layout* (every tensor's dtype, shape and device, and which of them are tied)
+and reused while the layout stays. CUDA tensors go to pinned memory with non-blocking copies and one
+synchronisation per device. The writer thread puts the staged tensors into the slots (:meth:`Captured.assemble`).
+The caller holds the read side of a :class:`~ranksafe.lock.StateDictLock` meanwhile, so the copy never sees weights
+half-way through an optimizer step.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import threading
 from collections import UserDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,104 +23,6 @@ try:  # DTensor exists wherever torch.distributed is built in; keep the module i
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover
     DTensor = None  # type: ignore[assignment,misc]
-
-
-class StateDictLock:
-    """Reader/writer lock between the optimizer step (writer) and snapshots (readers).
-
-    *Writer-preferring*: once a writer waits, new readers queue behind it, so a step is delayed by at most
-    the snapshot already running, never by a stream of them. Re-entrant for the thread that holds the write
-    side (including taking the read side inside it: that thread is the only one that could change the
-    weights), and for nested reads. Upgrading a read to a write would deadlock, so it raises instead.
-
-    Use the context managers ``write()`` / ``read()``, or the ``acquire_*`` / ``release_*`` pairs where the
-    two ends live in different callbacks (``before_step`` / ``after_step``).
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
-        self._readers = 0
-        self._writer: int | None = None  # ident of the thread holding the write side
-        self._write_depth = 0
-        self._writers_waiting = 0
-        self._local = threading.local()  # this thread's read depth
-
-    def _reads(self) -> int:
-        return getattr(self._local, "reads", 0)
-
-    def acquire_write(self, timeout: float | None = None) -> bool:
-        """Take the write side; False if ``timeout`` seconds passed first."""
-        me = threading.get_ident()
-        with self._cond:
-            if self._writer == me:
-                self._write_depth += 1
-                return True
-            if self._reads():
-                raise RuntimeError(
-                    "StateDictLock: this thread holds the read side; taking the write side would deadlock"
-                )
-            self._writers_waiting += 1
-            try:
-                ok = self._cond.wait_for(lambda: self._writer is None and self._readers == 0, timeout)
-            finally:
-                self._writers_waiting -= 1
-            if not ok:
-                self._cond.notify_all()  # readers queued behind this writer may go now
-                return False
-            self._writer, self._write_depth = me, 1
-            return True
-
-    def release_write(self) -> None:
-        """Give back the write side (once per acquire); wakes waiting snapshots when the last one is released."""
-        with self._cond:
-            if self._writer != threading.get_ident():
-                raise RuntimeError("StateDictLock: release_write() by a thread that does not hold the write side")
-            self._write_depth -= 1
-            if self._write_depth == 0:
-                self._writer = None
-                self._cond.notify_all()
-
-    def acquire_read(self, timeout: float | None = None) -> bool:
-        """Take the read side; False if ``timeout`` seconds passed first."""
-        with self._cond:
-            reentrant = self._writer == threading.get_ident() or self._reads() > 0
-            if not reentrant:
-                free = lambda: self._writer is None and self._writers_waiting == 0  # noqa: E731
-                if not self._cond.wait_for(free, timeout):
-                    return False
-            self._readers += 1
-            self._local.reads = self._reads() + 1
-            return True
-
-    def release_read(self) -> None:
-        """Give back the read side (once per acquire); wakes a waiting step when the last reader leaves."""
-        with self._cond:
-            if not self._reads():
-                raise RuntimeError("StateDictLock: release_read() by a thread that does not hold the read side")
-            self._local.reads -= 1
-            self._readers -= 1
-            if self._readers == 0:
-                self._cond.notify_all()
-
-    @contextlib.contextmanager
-    def write(self, timeout: float | None = None) -> Iterator[None]:
-        """Hold the write side for the block (around ``optimizer.step()``)."""
-        if not self.acquire_write(timeout):
-            raise TimeoutError(f"StateDictLock: write side not acquired within {timeout}s")
-        try:
-            yield
-        finally:
-            self.release_write()
-
-    @contextlib.contextmanager
-    def read(self, timeout: float | None = None) -> Iterator[None]:
-        """Hold the read side for the block (around a snapshot)."""
-        if not self.acquire_read(timeout):
-            raise TimeoutError(f"StateDictLock: read side not acquired within {timeout}s")
-        try:
-            yield
-        finally:
-            self.release_read()
 
 
 # --------------------------------------------------------------------------------------------------- the walk

@@ -29,7 +29,7 @@ from .. import topology
 from ..checkpoint import CheckpointManager
 from ..collectives import abort, barrier, broadcast, together
 from ..files import load_file
-from ..snapshot import StateDictLock
+from ..lock import StateDictLock
 from ..storage import Storage
 from . import learner
 from .distributed import any_backend, prepare_distributed

@@ -24,8 +24,8 @@ from ..async_save import check_savers
 from ..checkpoint import STATE, CheckpointManager
 from ..collectives import abort, agree, broadcast, together
 from ..files import clean_orphans, probe_write
+from ..lock import StateDictLock
 from ..saving import error_naming_target, prepare_dir
-from ..snapshot import StateDictLock
 from ..storage import Storage
 from . import compat
 from .io import RankSafeCheckpointIO, exists, link, path_key

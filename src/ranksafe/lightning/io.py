@@ -23,8 +23,8 @@ from lightning.fabric.utilities.types import _PATH
 from .. import remote, topology
 from ..async_save import AsyncSaver
 from ..files import atomic_save, load_file, local_path, make_dirs
+from ..lock import StateDictLock
 from ..saving import error_naming_target
-from ..snapshot import StateDictLock
 
 
 def path_key(path: _PATH) -> str:
