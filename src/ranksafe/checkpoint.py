@@ -51,10 +51,11 @@ from .commit import (
     step_commit,
     verify_step,
 )
-from .errors import BarrierTimeout, CollectiveMismatch, Failure, rank_failure
+from .errors import BarrierTimeout, CollectiveMismatch, CorruptCheckpoint, Failure, rank_failure
 from .files import ChecksummingWriter, load_file, local_path, probe_write, save_with_footer
 from .lock import StateDictLock
 from .remote import Remote
+from .retention import BestMode, Retention
 from .saving import error_naming_target
 from .sharded import refuse_sharded
 from .storage import Placement, Storage, placement
@@ -91,6 +92,7 @@ class StepWriter:
         self.path = name_of(commit.tmp)
         self.step = step
         self.entries: dict[str, Entry] = {}
+        self.metrics: dict[str, float] = {}  # what the manifest records (see CheckpointManager.saving)
         self._tmp, self._final = commit.tmp, commit.final
 
     def file(self, name: str) -> str:
@@ -150,9 +152,13 @@ class CheckpointManager:
         async_save: bool = False,
         lock: StateDictLock | None = None,
         storage_options: dict[str, Any] | None = None,
+        *,
+        keep_period: int | None = None,
+        best_metric: str | None = None,
+        best_mode: BestMode = "min",
+        keep_best: int = 0,
     ):
-        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
-            raise ValueError(f"keep must be a positive int or None, not {keep!r}")
+        self.retention = Retention(keep, keep_period, best_metric, best_mode, keep_best)
         check_name(prefix + "0", "step prefix")
         if storage not in ("auto", "shared", "local"):
             raise ValueError(f"storage must be 'auto', 'shared' or 'local', not {storage!r}")
@@ -164,7 +170,8 @@ class CheckpointManager:
             self._base = os.path.abspath(local_path(root))
         self.root = name_of(self._base)
         self.storage_options = storage_options
-        self.keep, self.storage, self.prefix, self.timeout = keep, storage, prefix, timeout
+        self.storage, self.prefix, self.timeout = storage, prefix, timeout
+        self._metrics: dict[int, dict[str, float]] = {}  # the writer's: each step's metrics, as its manifest has them
         self.loaded_step: int | None = None  # the step the last load() returned (after any fallback)
         self._loading: set[int] = set()
         self._pattern = re.compile(rf"^{re.escape(prefix)}(\d+)$")
@@ -173,6 +180,11 @@ class CheckpointManager:
         self._debris = re.compile(rf"^\.({re.escape(prefix)}\d+)(?:{ends})$")
         # writer="all": this manager, not the saver, decides who writes (the storage placement)
         self._saver = AsyncSaver(lock, writer="all", name="checkpoint") if async_save else None
+
+    @property
+    def keep(self) -> int | None:
+        """Committed steps kept, newest first (``None``: all); see :attr:`retention` for the other rules."""
+        return self.retention.keep
 
     @property
     def async_save(self) -> bool:
@@ -231,7 +243,9 @@ class CheckpointManager:
     # -- saving ---------------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def saving(self, step: int, writer_files: Mapping[str, Any] | None = None) -> Iterator[StepWriter]:
+    def saving(
+        self, step: int, writer_files: Mapping[str, Any] | None = None, metrics: Mapping[str, float] | None = None
+    ) -> Iterator[StepWriter]:
         """Open step ``step`` for writing on every rank; commit it when every rank's block is done.
 
         The writer(s) create the temporary step directory before any rank enters the block, so every rank
@@ -243,10 +257,16 @@ class CheckpointManager:
         With ``async_save``: the first exchange is :meth:`check` (after the writer waited for the previous
         commit), and the block's end snapshots ``writer_files`` and hands the commit to the background
         thread instead of the third exchange.
+
+        ``metrics`` (name -> number) go into the step's manifest; with a ``best_metric`` they rank the steps for
+        retention, and rank 0's are taken on every node (one more exchange), so every node keeps the same steps.
         """
         writer_files = dict(writer_files or {})
         for name in writer_files:
             check_name(name, "file name")
+        metrics = {k: float(v) for k, v in (metrics or {}).items()}
+        if self.retention.best_metric and topology.world_size() > 1:
+            metrics = broadcast(metrics, name=f"checkpoint {step}: metrics", timeout=self.timeout)
         where = self.placement
         if self._saver is not None:
             if where.writer:
@@ -259,6 +279,7 @@ class CheckpointManager:
                 self._clean_debris()
                 commit.create()
         tx = StepWriter(commit, step)
+        tx.metrics = metrics
         exc: BaseException | None = None
         try:
             yield tx
@@ -296,7 +317,8 @@ class CheckpointManager:
             for name, obj in writer_files.items():
                 tx.save(obj, name)
             try:
-                commit.finalize(build_manifest(commit.tmp, tx.step, tx.entries))
+                commit.finalize(build_manifest(commit.tmp, tx.step, tx.entries, tx.metrics))
+                self._metrics[tx.step] = dict(tx.metrics)
             except OSError as e:
                 raise error_naming_target(e, f"cannot commit step {tx.step}:", name_of(commit.final)) from e
         except BaseException:
@@ -304,7 +326,14 @@ class CheckpointManager:
             raise
         return name_of(commit.final)
 
-    def save(self, step: int, state: Any, extra_files: Mapping[str, Any] | None = None, sharded: bool = False) -> str:
+    def save(
+        self,
+        step: int,
+        state: Any,
+        extra_files: Mapping[str, Any] | None = None,
+        sharded: bool = False,
+        metrics: Mapping[str, float] | None = None,
+    ) -> str:
         """Save ``state`` as step ``step``; collective. Returns the committed step directory.
 
         The writer(s) write ``state`` as ``state.pt`` (``sharded=True``: every rank writes its own shard
@@ -313,10 +342,11 @@ class CheckpointManager:
 
         With ``async_save`` it returns once ``state`` and ``extra_files`` are snapshotted: the directory it
         returns is committed later, in the background (:meth:`wait`). Shards and side files are written
-        before it returns (every rank's files must be in before the writer commits).
+        before it returns (every rank's files must be in before the writer commits). ``metrics``: see
+        :meth:`saving`.
         """
         files = {**({} if sharded else {STATE: state}), **(extra_files or {})}
-        with self.saving(step, files) as tx:
+        with self.saving(step, files, metrics) as tx:
             if sharded:
                 tx.save(state, _shard(topology.rank()))
         return self.step_dir(step)
@@ -365,13 +395,21 @@ class CheckpointManager:
                 shutil.rmtree(path, ignore_errors=True)
 
     def _retain(self, newest: int) -> None:
-        if self.keep is None:
-            return
-        committed = self._committed()
-        for step in committed[: -self.keep]:
-            if step == newest or step in self._loading:
-                continue
+        """Delete what :attr:`retention` no longer keeps, now that ``newest`` is committed (writers only)."""
+        for step in self.retention.doomed(self._committed(), newest, self._loading, self._metric):
             step_commit(self._place(step)).delete()  # no longer committed before its files go
+            self._metrics.pop(step, None)
+
+    def _metric(self, step: int) -> float | None:
+        """``step``'s value of the retention's ``best_metric``, from its manifest (read once)."""
+        if step not in self._metrics:
+            try:
+                metrics = read_manifest(self._place(step)).get("metrics")
+            except (OSError, CorruptCheckpoint):  # a damaged step is never the best
+                metrics = None
+            self._metrics[step] = metrics if isinstance(metrics, dict) else {}
+        value = self._metrics[step].get(self.retention.best_metric)  # type: ignore[arg-type]
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
     # -- loading --------------------------------------------------------------------------------------
 

@@ -214,13 +214,19 @@ def _size(place: Place) -> int:
     return place.fs.size(place.path) if isinstance(place, Remote) else os.stat(place).st_size
 
 
-def build_manifest(directory: Place, step: int, known: Mapping[str, Entry]) -> dict[str, Any]:
-    """The manifest of ``directory``: every file's size and CRC32 (from ``known`` when the writer reported it)."""
+def build_manifest(
+    directory: Place, step: int, known: Mapping[str, Entry], metrics: Mapping[str, float] | None = None
+) -> dict[str, Any]:
+    """The manifest of ``directory``: every file's size and CRC32 (from ``known`` when the writer reported it), and
+    the step's ``metrics`` if any."""
     files = {}
     for rel in _walk(directory):
         size, crc = known[rel] if rel in known else _crc_file(join(directory, rel))
         files[rel] = {"size": size, "crc32": f"{crc:08x}"}
-    return {"format": FORMAT, "step": step, "time": time.time(), "files": files}
+    manifest = {"format": FORMAT, "step": step, "time": time.time(), "files": files}
+    if metrics:
+        manifest["metrics"] = dict(metrics)
+    return manifest
 
 
 def _resolve(place: str | os.PathLike | Remote, storage_options: dict[str, Any] | None) -> Place:

@@ -1,0 +1,71 @@
+"""Which committed steps a :class:`~ranksafe.CheckpointManager` keeps: the newest few, every ``keep_period``-th,
+and the best few by a metric. The writer applies it after each commit, never before: a step is deleted only once a
+newer one is committed, and never the newest, one being loaded, or one a rule keeps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+BestMode = Literal["min", "max"]
+
+
+def _positive(name: str, value: int | None, allow_none: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int{' or None' if allow_none else ''}, not {value!r}")
+
+
+@dataclass(frozen=True)
+class Retention:
+    """The rules; :meth:`doomed` applies them.
+
+    * ``keep``: the newest this many committed steps stay (``None``: every step stays, whatever the other rules);
+    * ``keep_period``: steps divisible by it stay (a step every 1,000, say, for later evaluation);
+    * ``best_metric``, ``best_mode``, ``keep_best``: the ``keep_best`` steps whose metric (given to ``save`` as
+      ``metrics={best_metric: value}``) is lowest (``"min"``) or highest (``"max"``) stay. A step without the
+      metric, or with NaN, is never among the best.
+    """
+
+    keep: int | None = 3
+    keep_period: int | None = None
+    best_metric: str | None = None
+    best_mode: BestMode = "min"
+    keep_best: int = 0
+
+    def __post_init__(self) -> None:
+        _positive("keep", self.keep)
+        _positive("keep_period", self.keep_period)
+        if isinstance(self.keep_best, bool) or not isinstance(self.keep_best, int) or self.keep_best < 0:
+            raise ValueError(f"keep_best must be a non-negative int, not {self.keep_best!r}")
+        if self.best_mode not in ("min", "max"):
+            raise ValueError(f"best_mode must be 'min' or 'max', not {self.best_mode!r}")
+        if self.keep_best and not self.best_metric:
+            raise ValueError("keep_best needs best_metric: the name of the metric that ranks the steps")
+
+    def doomed(
+        self, committed: list[int], newest: int, protected: Iterable[int], metric: Callable[[int], float | None]
+    ) -> list[int]:
+        """The committed steps (oldest first) to delete now that ``newest`` is committed; ``protected`` ones (being
+        loaded) stay. ``metric(step)`` is the step's value of ``best_metric``, or None."""
+        if self.keep is None:
+            return []
+        kept = {newest, *protected, *committed[-self.keep :]}
+        if self.keep_period:
+            kept.update(s for s in committed if s % self.keep_period == 0)
+        if self.keep_best:
+            kept.update(self.best(committed, metric))
+        return [s for s in committed if s not in kept]
+
+    def best(self, steps: Iterable[int], metric: Callable[[int], float | None]) -> list[int]:
+        """The ``keep_best`` best of ``steps`` by ``metric``, best first (a tie: the newer first)."""
+        scored = []
+        for s in steps:
+            value = metric(s)
+            if value is not None and not math.isnan(value):
+                scored.append((value if self.best_mode == "min" else -value, -s))
+        return [-s for _, s in sorted(scored)[: self.keep_best]]

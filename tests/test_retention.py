@@ -1,0 +1,84 @@
+"""Retention that keeps what matters: the newest steps, every ``keep_period``-th, and the best few by a metric,
+also when a writer is killed mid-save."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import ranksafe
+from ranksafe.retention import Retention
+from tests.ranks import run_ranks
+
+
+def test_the_rules_one_by_one():
+    steps = list(range(1, 13))
+    loss = {s: abs(s - 4) + 0.5 for s in steps} | {7: math.nan}  # best: 4, then 3 and 5
+    doomed = Retention(keep=2, keep_period=6, best_metric="loss", keep_best=2).doomed(steps, 12, {1}, loss.get)
+    # kept: 1 (being loaded), 4 and 5 (best; 5 is newer than 3, as good), 6 (period), 11 and 12 (newest); NaN never best
+    assert sorted(set(steps) - set(doomed)) == [1, 4, 5, 6, 11, 12]
+    assert Retention(keep=None, keep_best=1, best_metric="loss").doomed(steps, 12, (), loss.get) == []
+    assert Retention(best_mode="max", best_metric="loss", keep_best=1).best(steps, loss.get) == [12]
+    with pytest.raises(ValueError, match="keep_best needs best_metric"):
+        Retention(keep_best=1)
+    with pytest.raises(ValueError, match="best_mode"):
+        Retention(best_mode="lowest")  # type: ignore[arg-type]
+
+
+def _val_loss(step: int) -> float:
+    return abs(step - 4) + 0.5
+
+
+_KILLED = textwrap.dedent(
+    """
+    import os, signal, sys, torch, ranksafe
+    from ranksafe import files
+    mgr = ranksafe.CheckpointManager(sys.argv[1], keep=2, keep_period=5, best_metric="val_loss", keep_best=1)
+    write = files.ChecksummingWriter.write
+
+    def killed_half_way(self, data):  # the writer dies while it writes step 13's state
+        write(self, data)
+        if self.length > 1 << 20:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    files.ChecksummingWriter.write = killed_half_way
+    mgr.save(13, {"w": torch.zeros(1 << 20)}, metrics={"val_loss": 0.0})  # it would have been the best
+    """
+)
+
+
+def test_the_best_newest_and_period_steps_survive_a_writer_killed_mid_save(tmp_path):
+    root = tmp_path / "ckpt"
+    mgr = ranksafe.CheckpointManager(root, keep=2, keep_period=5, best_metric="val_loss", keep_best=1)
+    for step in range(1, 13):
+        mgr.save(step, {"w": torch.full((2,), float(step))}, metrics={"val_loss": _val_loss(step)})
+    survivors = [5, 10, 11, 12, 4]
+    assert sorted(mgr._committed()) == sorted(survivors)
+    killed = subprocess.run([sys.executable, "-c", _KILLED, str(root)], timeout=120)
+    assert killed.returncode == -signal.SIGKILL
+    again = ranksafe.CheckpointManager(root, keep=2, keep_period=5, best_metric="val_loss", keep_best=1)
+    assert again.latest() == 12, "the killed save is not committed"
+    assert sorted(s.step for s in ranksafe.list_steps(root) if s.status == "committed") == sorted(survivors)
+    again.save(14, {"w": torch.zeros(2)}, metrics={"val_loss": 9.0})  # the metrics of earlier steps: from manifests
+    assert sorted(os.listdir(root)) == [f"step_{s:08d}" for s in (4, 5, 10, 12, 14)]
+    assert ranksafe.verify_step(root / "step_00000004")["metrics"] == {"val_loss": 0.5}
+
+
+def _metrics_differ(rank, root):
+    mgr = ranksafe.CheckpointManager(root, keep=1, best_metric="val_loss", keep_best=1)
+    for step in (1, 2, 3):  # rank 0 finds step 2 best, rank 1 step 3: rank 0's metrics decide for every node
+        mgr.save(step, {"w": torch.ones(1)}, metrics={"val_loss": [[9, 1, 5], [9, 5, 1]][rank][step - 1]})
+    return sorted(s.step for s in ranksafe.list_steps(root))
+
+
+def test_every_rank_records_rank_0s_metrics(tmp_path):
+    values = run_ranks(_metrics_differ, 2, args=(str(tmp_path),), timeout=90).values
+    assert values == [[2, 3], [2, 3]]
+    assert ranksafe.verify_step(tmp_path / "step_00000003")["metrics"] == {"val_loss": 5.0}
