@@ -7,6 +7,8 @@ import math
 import os
 import time
 
+import pytest
+
 import ranksafe
 from ranksafe import collectives
 from tests.ranks import run_ranks
@@ -406,6 +408,31 @@ def _mixed_types(rank):
 
 def test_a_reduction_that_cannot_combine_the_values_is_one_error_on_every_rank():
     assert run_ranks(_mixed_types, 2).values == [("RankFailure[TypeError]", [0])] * 2
+
+
+def test_exchange_outcome_in_a_single_process_returns_the_reduction_or_raises_the_error_itself(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(var, raising=False)
+    assert collectives.exchange_outcome("values", 3, None, sum) == 3
+    error = FileNotFoundError(2, "gone", "/x")
+    with pytest.raises(FileNotFoundError) as raised:
+        collectives.exchange_outcome("values", 3, error, sum)
+    assert raised.value is error
+
+
+def _posts_and_fails(rank):
+    """Rank 1 posts a value and a failure; rank 0 a value only."""
+    error = OSError(28, "No space left on device", f"/ckpt/r{rank}") if rank == 1 else None
+    try:
+        collectives.exchange_outcome("written", rank * 10, error, list)
+    except ranksafe.RankFailure as e:
+        return type(e).__name__, e.ranks, getattr(e, "errno", None), type(e.__cause__).__name__
+    return "no error"
+
+
+def test_exchange_outcome_raises_one_rank_failure_on_every_rank_with_the_cause_on_the_failing_one():
+    values = run_ranks(_posts_and_fails, 2).values
+    assert values == [("RankFailure[OSError]", [1], 28, "NoneType"), ("RankFailure[OSError]", [1], 28, "OSError")]
 
 
 # -- exit -----------------------------------------------------------------------------------------------------

@@ -38,8 +38,8 @@ from typing import Any, Literal
 
 from . import topology
 from .async_save import AsyncSaver
-from .collectives import exchange, share_outcome, together
-from .errors import BarrierTimeout, CollectiveMismatch, CorruptCheckpoint, Failure, rank_failure
+from .collectives import exchange_outcome, share_outcome, together
+from .errors import BarrierTimeout, CollectiveMismatch, CorruptCheckpoint
 from .files import (
     TMP_SUFFIX,
     ChecksummingWriter,
@@ -404,16 +404,16 @@ class CheckpointManager:
             yield tx
         except BaseException as e:
             exc = e
-        me = None if exc is None else Failure.from_exception(topology.rank(), exc)
-        posted = exchange(f"checkpoint {step}: written", (topology.node_rank(), tx.entries, me), list, self.timeout)
-        failures = [f for _, _, f in posted if f is not None]
-        if failures:
+        try:
+            posted = exchange_outcome(
+                f"checkpoint {step}: written", (topology.node_rank(), tx.entries), exc, list, self.timeout,
+                what=f"checkpoint {step}: write",
+            )  # fmt: skip
+        except BaseException:
             if where.writer:
                 commit.abort()
-            if exc is not None and topology.world_size() == 1:
-                raise exc
-            raise rank_failure(f"checkpoint {step}: write", failures) from exc
-        for node, entries, _ in posted:
+            raise
+        for node, entries in posted:
             if where.group is None or node in where.group:
                 tx.entries.update(entries)
         if self._saver is None:
@@ -513,13 +513,7 @@ class CheckpointManager:
             except OSError as e:
                 error = error_naming_target(e, "cannot list the checkpoints in", self.root)
         what = f"checkpoint {self.root}: steps"
-        failure = None if error is None else Failure.from_exception(topology.rank(), error)
-        common, failures = exchange("checkpoint: steps", (mine, failure), _newest_common, self.timeout, what=what)
-        if failures:
-            if error is not None and topology.world_size() == 1:
-                raise error
-            raise rank_failure(what, failures) from error
-        return common
+        return exchange_outcome("checkpoint: steps", mine, error, _newest_common, self.timeout, what=what)
 
     def latest(self) -> int | None:
         """The newest step committed on every node, the same on every rank; ``None`` when there is none."""
@@ -623,8 +617,7 @@ class CheckpointManager:
         return None
 
 
-def _newest_common(posts: list[tuple[list[int] | None, Failure | None]]) -> tuple[list[int], list[Failure]]:
-    """The steps every writer listed, newest first, and the writers' failures to list."""
-    sets = [set(steps) for steps, _ in posts if steps is not None]
-    common = sorted(set.intersection(*sets), reverse=True) if sets else []
-    return common, [f for _, f in posts if f is not None]
+def _newest_common(listed: list[list[int] | None]) -> list[int]:
+    """The steps every writer listed (non-writers list ``None``), newest first."""
+    sets = [set(steps) for steps in listed if steps is not None]
+    return sorted(set.intersection(*sets), reverse=True) if sets else []

@@ -414,6 +414,37 @@ def exchange(
     return _exchange_in(s, name, value, reduce, timeout, what)
 
 
+def _values_and_failures(reduce: Callable[[list], T]) -> Callable[[list], tuple[T | None, list[Failure]]]:
+    def split(posts: list[tuple[Any, Failure | None]]) -> tuple[T | None, list[Failure]]:
+        failures = [f for _, f in posts if f is not None]
+        return (None if failures else reduce([v for v, _ in posts])), failures
+
+    return split
+
+
+def exchange_outcome(
+    name: str,
+    value: Any,
+    exc: BaseException | None,
+    reduce: Callable[[list], Any] = list,
+    timeout: float | None = None,
+    what: str | None = None,
+) -> Any:
+    """Post ``value`` and whether this rank failed (``exc``); get ``reduce(values in rank order)`` on every rank,
+    or the same :class:`RankFailure` on every rank when any rank posted a failure. Collective, one exchange.
+
+    The failing rank chains its own exception as the cause; in a single process ``exc`` itself is raised. The
+    values are not reduced when a rank failed. ``name`` and ``what`` as in :func:`exchange`.
+    """
+    mine = None if exc is None else Failure.from_exception(topology.rank(), exc)
+    result, failures = exchange(name, (value, mine), _values_and_failures(reduce), timeout, what)
+    if failures:
+        if exc is not None and topology.world_size() == 1:
+            raise exc
+        raise rank_failure(what or name, failures) from exc
+    return result
+
+
 def barrier(name: str = "", timeout: float | None = None, what: str | None = None) -> None:
     """Wait until every rank arrives; raise :class:`BarrierTimeout` naming the missing ranks otherwise."""
     exchange(f"barrier:{name}", None, lambda _: None, timeout, what)
@@ -465,23 +496,13 @@ def all_gather(obj: Any, *, name: str = "", timeout: float | None = None) -> lis
     return exchange(f"all_gather:{name}", obj, list, timeout)
 
 
-def _failures(outcomes: list[Failure | None]) -> list[Failure]:
-    return [f for f in outcomes if f is not None]
-
-
 def share_outcome(name: str, exc: BaseException | None, timeout: float | None = None, what: str | None = None) -> None:
     """Tell every rank whether this rank failed; raise :class:`RankFailure` everywhere if any did.
 
     The failing rank's own exception is chained as the cause. In a single process the original
     exception is re-raised unchanged.
     """
-    mine = None if exc is None else Failure.from_exception(topology.rank(), exc)
-    failures = exchange(f"outcome:{name}", mine, _failures, timeout, what)
-    if not failures:
-        return
-    if exc is not None and topology.world_size() == 1:
-        raise exc
-    raise rank_failure(what or name, failures) from exc
+    exchange_outcome(f"outcome:{name}", None, exc, lambda _: None, timeout, what or name)
 
 
 class together:
