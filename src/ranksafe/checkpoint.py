@@ -576,12 +576,19 @@ class CheckpointManager:
         if self._saver is not None:
             self._saver.shutdown()
 
+    def poll(self) -> None:
+        """The per-step check for training loops: a failed background commit is raised on every rank at the next
+        call (:meth:`AsyncSaver.poll <ranksafe.AsyncSaver.poll>`). Every rank, once per step; one store read
+        while no rank has a failure, and none without ``async_save``."""
+        if self._saver is not None:
+            self._saver.poll()
+
     def check(self) -> None:
         """Raise :class:`~ranksafe.RankFailure` on every rank if a background commit failed on any rank.
 
-        Collective, one exchange (also without ``async_save``: every rank may call it unconditionally).
-        It does not wait for the commit in flight; each failure is reported once. In a single process
-        the original error is raised unchanged.
+        Collective, one exchange (also without ``async_save``: every rank may call it unconditionally), which
+        waits for every rank. It does not wait for the commit in flight; each failure is reported once. In a
+        single process the original error is raised unchanged.
         """
         if self._saver is not None:
             self._saver.check()
