@@ -32,6 +32,11 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
+import torch
+import torch.distributed as dist
+
+import ranksafe
+
 OPERATIONS = (
     "gloo barrier",
     "gloo all_reduce",
@@ -47,11 +52,6 @@ HEADER = ("ranks", "operation", "median ms", "p90 ms", "median / gloo barrier")
 
 def _operations(directory: str) -> dict[str, Callable[[], object]]:
     """Every operation, ready to call once on this rank (the process group is up)."""
-    import torch
-    import torch.distributed as dist
-
-    import ranksafe
-
     one = torch.ones(1)
     state = {"w": torch.zeros(1024)}
     path = os.path.join(directory, "state.pt")
@@ -69,9 +69,6 @@ def _operations(directory: str) -> dict[str, Callable[[], object]]:
 
 def _rank(rank: int, world: int, port: int, reps: int, directory: str, results: mp.Queue) -> None:
     """One process: time every operation ``reps`` times; rank 0 puts the slowest rank's times on ``results``."""
-    import torch
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=300)
@@ -104,7 +101,8 @@ def _free_port() -> int:
 
 def measure(world: int, reps: int, directory: str, timeout: float = 300) -> dict[str, list[float]]:
     """Seconds per repetition of every operation (the slowest rank's) with ``world`` processes."""
-    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")  # fork: no re-import of torch
+    # fork: the processes start with torch and ranksafe imported (32 imports of torch took most of a run)
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     results = ctx.Queue()
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="ranksafe-scale-", dir=directory) as tmp:
@@ -144,7 +142,7 @@ def table(measured: dict[int, dict[str, list[float]]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8, 16, 32], help="process counts")
-    parser.add_argument("--reps", type=int, default=15, help="repetitions per operation and world size")
+    parser.add_argument("--reps", type=int, default=40, help="repetitions per operation and world size")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where ranksafe save writes (a temporary dir)")
     args = parser.parse_args()
     os.environ.setdefault("RANKSAFE_TIMEOUT", "120")
