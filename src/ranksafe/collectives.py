@@ -663,15 +663,16 @@ class StepNotice:
     """Something any rank tells every rank between steps, acted on by every rank at the same step boundary,
     for one non-blocking store read per boundary while nothing is posted.
 
-    Every rank calls :meth:`poll` once per step boundary (after each training step), so its count of calls is
-    the same step on every rank. A rank posts with :meth:`post` at its boundary ``n``; the notice is due at
-    ``n + 1``, where :meth:`poll` returns it on every rank, the poster included. Why ``n + 1`` is safe in
-    data-parallel training: another rank's boundary ``n + 1`` follows its step ``n + 1``, whose gradient
-    all-reduce needs the poster's step ``n + 1``, which starts after the post; so every rank reads the notice in
-    time. Acting at ``n`` on the poster alone would leave the others blocked in the next all-reduce, where
-    nothing of ranksafe can reach them. A rank that reads a notice due at a boundary it has passed (ranks that
-    do not meet every step) gets it at once. A notice is written once: while one stands, a later post returns
-    it instead of replacing it; once acted on, the next post is a new notice.
+    Every rank calls :meth:`poll` once per step boundary (after each training step), so its count of calls is the
+    same step on every rank. A boundary follows a point every rank passes in step: an optimizer step's gradient
+    all-reduce (with gradient accumulation, poll after the last micro-batch, not after each). A rank posts with
+    :meth:`post` at its boundary ``n``; the notice is due at ``n + 1``, where :meth:`poll` returns it on every rank,
+    the poster included. Why ``n + 1`` is safe in data-parallel training: another rank's boundary ``n + 1`` follows
+    its step ``n + 1``, whose gradient all-reduce needs the poster's step ``n + 1``, which starts after the post; so
+    every rank reads the notice in time. Acting at ``n`` on the poster alone would leave the others blocked in the
+    next all-reduce, where nothing of ranksafe can reach them. A rank that reads a notice due at a boundary it has
+    passed (ranks that do not meet every step) gets it at once. A notice is written once: while one stands, a later
+    post returns it instead of replacing it; once acted on, the next post is a new notice.
 
     Uses: a background failure raised on every rank at the same step (:meth:`AsyncSaver.poll
     <ranksafe.AsyncSaver.poll>`); a signal received by one rank, acted on by all at the same step. Notices of
