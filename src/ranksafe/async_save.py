@@ -428,8 +428,6 @@ def poll_savers(savers: Sequence[AsyncSaver]) -> None:
     due = notice.poll()
     if due is not None:
         _raise_notice(savers, notice, due.payload)
-    if any(saver._carried_by is notice for saver in savers):
-        return  # posted at the previous step, due at the next
     pending = next((saver for saver in savers if saver.failed and saver._carried_by is None), None)
     if pending is not None:
         failure = Failure.from_exception(topology.rank(), pending.error)  # type: ignore[arg-type]

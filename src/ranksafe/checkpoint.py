@@ -578,8 +578,8 @@ class CheckpointManager:
 
     def poll(self) -> None:
         """The per-step check for training loops: a failed background commit is raised on every rank at the next
-        call (:meth:`AsyncSaver.poll <ranksafe.AsyncSaver.poll>`). Every rank, once per step; one store read
-        while no rank has a failure, and none without ``async_save``."""
+        call (:meth:`~ranksafe.AsyncSaver.poll`). Every rank, once per step; one store read while no rank has a
+        failure, and none without ``async_save``."""
         if self._saver is not None:
             self._saver.poll()
 

@@ -674,8 +674,8 @@ class StepNotice:
     passed (ranks that do not meet every step) gets it at once. A notice is written once: while one stands, a later
     post returns it instead of replacing it; once acted on, the next post is a new notice.
 
-    Uses: a background failure raised on every rank at the same step (:meth:`AsyncSaver.poll
-    <ranksafe.AsyncSaver.poll>`); a signal received by one rank, acted on by all at the same step. Notices of
+    Uses: a background failure raised on every rank at the same step (:meth:`~ranksafe.AsyncSaver.poll`); a
+    signal received by one rank, acted on by all at the same step. Notices of
     one name are told apart by the order of their first use, which must be the same on every rank. In a
     single process the notice stays in this object, with the same semantics.
     """
