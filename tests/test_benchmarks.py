@@ -49,3 +49,30 @@ def test_quick_run_prints_every_method_with_parseable_numbers(tmp_path) -> None:
     assert len(verdicts) == len(TARGETS)
     assert all(v == "met" or v.startswith("missed: ") for v in verdicts), verdicts
     assert not os.listdir(tmp_path)  # every script cleaned up what it wrote
+
+
+def test_scale_prints_every_operation_at_every_world_size(tmp_path) -> None:
+    """``benchmarks/scale.py`` with 2 and 4 processes and few repetitions: a row per world size and operation,
+    numbers that parse, gloo's barrier as the 1.00 of each world size, and nothing left behind."""
+    from benchmarks.scale import HEADER, OPERATIONS
+
+    done = subprocess.run(
+        [sys.executable, "benchmarks/scale.py", "--worlds", "2", "4", "--reps", "3", "--dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("|")]
+    header = tuple(cell.strip() for cell in lines[0].strip("|").split("|"))
+    assert header == HEADER
+    rows = [dict(zip(header, (c.strip() for c in line.strip("|").split("|")), strict=True)) for line in lines[2:]]
+    assert [(r["ranks"], r["operation"]) for r in rows] == [(w, op) for w in ("2", "4") for op in OPERATIONS]
+    for row in rows:
+        median, p90, ratio = float(row["median ms"]), float(row["p90 ms"]), float(row["median / gloo barrier"])
+        assert 0 < median <= p90 and ratio > 0, row
+        if row["operation"] == "gloo barrier":
+            assert row["median / gloo barrier"] == "1.00"
+    assert ("oversubscribed" in done.stdout) == ((os.cpu_count() or 1) < 4)
+    assert not os.listdir(tmp_path)

@@ -7,8 +7,11 @@ import math
 import os
 import time
 
+import pytest
+
 import ranksafe
 from ranksafe import collectives
+from ranksafe.collectives import StepNotice
 from tests.ranks import run_ranks
 
 
@@ -394,3 +397,269 @@ def test_rank_0_does_not_wait_at_exit_for_ranks_that_failed_too():
     assert clean.values == failed.values == ["done", "done"]
     print(f"clean {clean.elapsed:.1f} s, every rank failed {failed.elapsed:.1f} s")
     assert failed.elapsed - clean.elapsed < 2.5
+
+
+def _mixed_types(rank):
+    try:
+        ranksafe.agree("a string" if rank == 0 else 1.0, "max")
+    except ranksafe.RankFailure as e:
+        return type(e).__name__, e.ranks
+    return "no error"
+
+
+def test_a_reduction_that_cannot_combine_the_values_is_one_error_on_every_rank():
+    assert run_ranks(_mixed_types, 2).values == [("RankFailure[TypeError]", [0])] * 2
+
+
+def test_exchange_outcome_in_a_single_process_returns_the_reduction_or_raises_the_error_itself(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(var, raising=False)
+    assert collectives.exchange_outcome("values", 3, None, sum) == 3
+    error = FileNotFoundError(2, "gone", "/x")
+    with pytest.raises(FileNotFoundError) as raised:
+        collectives.exchange_outcome("values", 3, error, sum)
+    assert raised.value is error
+
+
+def _posts_and_fails(rank):
+    """Rank 1 posts a value and a failure; rank 0 a value only."""
+    error = OSError(28, "No space left on device", f"/ckpt/r{rank}") if rank == 1 else None
+    try:
+        collectives.exchange_outcome("written", rank * 10, error, list)
+    except ranksafe.RankFailure as e:
+        return type(e).__name__, e.ranks, getattr(e, "errno", None), type(e.__cause__).__name__
+    return "no error"
+
+
+def test_exchange_outcome_raises_one_rank_failure_on_every_rank_with_the_cause_on_the_failing_one():
+    values = run_ranks(_posts_and_fails, 2).values
+    assert values == [("RankFailure[OSError]", [1], 28, "NoneType"), ("RankFailure[OSError]", [1], 28, "OSError")]
+
+
+# -- exit -----------------------------------------------------------------------------------------------------
+
+
+def _others_alone(rank):
+    ranksafe.barrier("warm")
+    if rank == 0:
+        return "finished"  # the script ends on rank 0, which hosts the store (mp.spawn, tcp://)
+    start = time.monotonic()
+    try:
+        ranksafe.barrier("a collective rank 0 never reaches")
+    except ranksafe.RankFailure as e:
+        return {"type": type(e).__name__, "msg": str(e)[:300], "seconds": time.monotonic() - start}
+    return "passed"
+
+
+def test_a_collective_that_rank_0_never_reaches_fails_naming_rank_0_after_it_ended():
+    """Before: rank 0 left at once, with the store, and rank 1 raised "lost the rendezvous store", naming itself
+    and no cause. Now rank 0 posts that it ended, then stays until rank 1 has heard of it and left."""
+    r0, r1 = run_ranks(_others_alone, 2, env={"RANKSAFE_TIMEOUT": "30"}, timeout=60).values
+    assert r0 == "finished"
+    assert r1["type"] == "RankFailure" and "rank 0" in r1["msg"] and "ended" in r1["msg"], r1
+    assert r1["seconds"] < 10
+
+
+def _outlives_rank_0(rank, probe):
+    if not probe:
+        collectives._store_answers = lambda store: True  # the naive exit: post the marker to whatever store there is
+    ranksafe.barrier("warm")
+    if rank == 1:
+        time.sleep(4)  # misses the next barrier; rank 0 gives up on it and ends, taking the store along
+        return "late"
+    with contextlib.suppress(ranksafe.BarrierTimeout):
+        ranksafe.barrier("without rank 1", timeout=1)
+    return "done"
+
+
+def test_a_rank_that_exits_after_the_store_is_gone_makes_no_request_to_it(capfd):
+    """A request to a TCP store whose host has exited makes c10d print a C++ trace that Python cannot catch; the
+    exit marker is posted only after one plain connect found the store there."""
+    traces = {}
+    for probe in (False, True):
+        capfd.readouterr()
+        assert run_ranks(_outlives_rank_0, 2, args=(probe,), timeout=60).values == ["done", "late"]
+        traces[probe] = capfd.readouterr().err.count("Exception raised from")
+    print("C++ traces at exit: without the probe", traces[False], "with it", traces[True])
+    assert traces[False] > 0 and traces[True] == 0
+
+
+# -- step notices and the per-step check -----------------------------------------------------------------------
+
+
+def test_a_step_notice_in_a_single_process(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(var, raising=False)
+    notice = StepNotice("stop")
+    assert notice.poll() is None
+    assert notice.post("first").payload == "first"
+    assert notice.post("second").payload == "first"  # written once
+    due = notice.poll()
+    assert (due.at, due.payload) == (2, "first") and notice.count == 2
+    assert notice.poll() is None  # acted on
+    notice.post("third")
+    notice.withdraw()
+    assert notice.poll() is None
+
+
+def _both_post_then_late(rank):
+    ranksafe.barrier("warm")
+    notice = StepNotice("test")
+    notice.poll()
+    standing = notice.post(f"rank {rank}")  # both post at boundary 1: one notice, the first written
+    ranksafe.barrier("posted")
+    due = notice.poll()
+    # rank 1 polls 3 boundaries more than rank 0 before a notice is there: it reads one that is past
+    if rank == 1:
+        for _ in range(3):
+            assert notice.poll() is None
+    ranksafe.barrier("rank 1 ran ahead")
+    if rank == 0:
+        notice.poll()
+        notice.post("to the rank ahead")  # due at rank 0's boundary 4; rank 1 is at its 5th
+    ranksafe.barrier("posted again")
+    late = notice.poll()
+    return standing.payload, (due.at, due.payload), notice.count, (late.at, late.payload)
+
+
+def test_a_notice_is_written_once_and_a_rank_past_its_boundary_gets_it_at_once():
+    r0, r1 = run_ranks(_both_post_then_late, 2).values
+    assert r0[0] == r1[0] and r0[0] in ("rank 0", "rank 1")
+    assert r0[1] == r1[1] == (2, r0[0])
+    assert (r0[2], r0[3]) == (4, (4, "to the rank ahead"))  # due now
+    assert (r1[2], r1[3]) == (6, (4, "to the rank ahead"))  # past: at once, not never
+
+
+def _training(rank, root, naive):
+    """Ten data-parallel steps (one all-reduce each); rank 1's background save at step 3 fails. The failing rank
+    stays in its exception handling for a while (a framework's teardown, an emergency save)."""
+    import torch
+    import torch.distributed as dist
+
+    if rank == 1:
+        open(os.path.join(root, "r1"), "w").close()  # a file where rank 1's checkpoint directory should be
+    saver = ranksafe.AsyncSaver(writer="all")
+    ranksafe.barrier("warm")
+    step, last = 0, time.monotonic()
+    try:
+        for step in range(1, 11):
+            dist.all_reduce(torch.ones(1))
+            last = time.monotonic()
+            if naive and saver.failed:
+                raise saver.error  # this rank alone, at once
+            if not naive:
+                saver.poll()
+            if step == 3:
+                saver.save({"w": torch.ones(4)}, os.path.join(root, f"r{rank}", "w.pt"))
+                saver.wait()
+    except Exception as e:
+        out = {"step": step, "type": type(e).__name__, "blocked": round(time.monotonic() - last, 1)}
+        if rank == 1:
+            time.sleep(4)
+        return out
+    return {"step": step, "type": None}
+
+
+def test_a_background_failure_is_raised_on_every_rank_at_the_same_step(tmp_path):
+    """The naive check raises on the failing rank alone, and the other rank blocks in the next all-reduce, where
+    no ranksafe collective can reach it, until the backend gives up; the per-step check raises on both at the
+    same step."""
+    env = {"TEST_PG_TIMEOUT": "6"}
+    for kind in ("naive", "poll"):
+        os.makedirs(tmp_path / kind)
+    naive = run_ranks(_training, 2, args=(str(tmp_path / "naive"), True), env=env, timeout=90)
+    ours = run_ranks(_training, 2, args=(str(tmp_path / "poll"), False), env=env, timeout=90).values
+    print("naive:", [r.value or r.error for r in naive.results], "\nper-step check:", ours)
+    assert naive[1].value["step"] == 4  # rank 1 noticed its failure after step 4 and raised
+    assert naive[0].value["step"] == 5 and naive[0].value["blocked"] >= 3.5  # rank 0 waited in step 5's all-reduce
+    assert not naive[0].value["type"].startswith("RankFailure")  # then got the backend's error, naming no cause
+    for v in ours:  # rank 1 posted after step 4; both raised after step 5, at once
+        assert v["step"] == 5 and v["type"].startswith("RankFailure") and v["blocked"] < 2, v
+
+
+def _steps_cost(rank, steps):
+    ranksafe.barrier("warm")
+    saver = ranksafe.AsyncSaver(writer="all")
+    saver.poll()  # the first use of the notice: no store request but its read
+    counting = _CountingStore(collectives._session.store)
+    collectives._session.store = counting
+    try:
+        if rank == 0:
+            time.sleep(2)  # rank 1 polls meanwhile: nothing waits for rank 0
+        start = time.monotonic()
+        for _ in range(steps):
+            saver.poll()
+        poll = counting.requests, time.monotonic() - start
+        counting.requests = 0
+        for _ in range(steps):
+            saver.check()
+        check = counting.requests
+    finally:
+        collectives._session.store = counting.store
+    return poll, check
+
+
+class _CountingStore:
+    """A store that counts the requests made through it."""
+
+    def __init__(self, store):
+        self.store, self.requests = store, 0
+
+    def __getattr__(self, name):
+        attr = getattr(self.store, name)
+        if not callable(attr):
+            return attr
+
+        def counted(*args, **kwargs):
+            self.requests += 1
+            return attr(*args, **kwargs)
+
+        return counted
+
+
+def test_the_per_step_check_costs_one_store_request_and_waits_for_no_rank():
+    steps = 50
+    values = run_ranks(_steps_cost, 2, args=(steps,)).values
+    print("(poll requests, seconds), check requests:", values)
+    for (requests, _), check in values:
+        assert requests == steps  # one read per step
+        assert check >= 3 * steps  # the full check: post, poll for the outcome, read it
+    assert values[1][0][1] < 1.5  # rank 1's polls ran while rank 0 slept 2 s
+
+
+def _posted_then_checked(rank, root):
+    if rank == 1:
+        open(os.path.join(root, "r1"), "w").close()
+    saver = ranksafe.AsyncSaver(writer="all")
+    ranksafe.barrier("warm")
+    saver.poll()
+    saver.save({"w": 1}, os.path.join(root, f"r{rank}", "w.pt"))
+    saver.wait()
+    saver.poll()  # rank 1 posts its failure, due at the next poll
+    out = []
+    try:
+        saver.check()  # but the full check comes first: it reports the failure
+    except ranksafe.RankFailure as e:
+        out.append(e.ranks)
+    saver.poll()  # reported once: the notice was withdrawn
+    saver.close()
+    return out
+
+
+def test_the_full_check_reports_a_posted_failure_once(tmp_path):
+    assert run_ranks(_posted_then_checked, 2, args=(str(tmp_path),)).values == [[[1]], [[1]]]
+
+
+def test_the_per_step_check_in_a_single_process_raises_the_error_itself_at_the_next_call(tmp_path, monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(var, raising=False)
+    (tmp_path / "file").write_text("in the way")
+    saver = ranksafe.AsyncSaver()
+    saver.save({"w": 1}, tmp_path / "file" / "w.pt")
+    saver.wait()
+    saver.poll()  # posts
+    with pytest.raises(OSError) as raised:
+        saver.poll()
+    assert not isinstance(raised.value, ranksafe.RankFailure)
+    saver.check()  # reported once
+    saver.close()

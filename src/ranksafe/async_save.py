@@ -4,10 +4,11 @@
 :class:`~ranksafe.lock.StateDictLock`, so never mid-step) and hands the snapshot to a writer thread that
 commits it with the same atomic protocol as a synchronous save (:func:`ranksafe.files.atomic_save`).
 
-Failures travel like every ranksafe failure: the background thread records its exception, and
-:meth:`AsyncSaver.check` (one exchange, called by every rank, e.g. once per training step) raises the same
-:class:`~ranksafe.RankFailure` on every rank. The background thread itself never runs a collective: it
-would race the training thread's collectives for the shared sequence.
+Failures travel like every ranksafe failure: the background thread records its exception, and every rank
+raises the same :class:`~ranksafe.RankFailure`: at the next step with :meth:`AsyncSaver.poll` (one store read per
+step while no rank has a failure, through a :class:`~ranksafe.collectives.StepNotice`), or in
+:meth:`AsyncSaver.check` and :meth:`AsyncSaver.close` (one exchange, which waits for every rank). The background
+thread itself never runs a collective: it would race the training thread's collectives for the shared sequence.
 """
 
 from __future__ import annotations
@@ -20,14 +21,14 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from enum import Enum
 from queue import SimpleQueue
 from typing import Any, Literal
 
 from . import remote, topology
-from .collectives import share_outcome, together
-from .errors import BarrierTimeout, CollectiveMismatch
+from .collectives import StepNotice, share_outcome, together
+from .errors import BarrierTimeout, CollectiveMismatch, Failure, rank_failure
 from .files import atomic_save, local_path, make_dirs, probe_write
 from .lock import StateDictLock
 from .saving import Writer, error_naming_target, is_writer
@@ -161,7 +162,7 @@ class AsyncSaver:
 
     Local calls (any rank, any time): :meth:`save`, :meth:`submit`, :meth:`after_commit`, :meth:`wait`,
     :meth:`shutdown`, :attr:`failed`. Collectives (every rank, same order): :meth:`warmup`, :meth:`check`,
-    :meth:`close`.
+    :meth:`close`, and :meth:`poll`, once per training step.
 
     Thread: one writer, started by :meth:`warmup` or the first save and parked between saves;
     :meth:`close` or :meth:`shutdown` stops it, and a later save starts it again.
@@ -187,6 +188,8 @@ class AsyncSaver:
         # the unreported failure, in a cell shared with a finalizer: a saver dropped unchecked still reports it
         self._failure: list[BaseException | None] = [None]
         weakref.finalize(self, _report_unchecked, self._failure).atexit = False  # at exit: _wait_at_exit
+        self._notice = StepNotice(f"{name}: background failure")  # what poll() reads, once per step
+        self._carried_by: StepNotice | None = None  # the notice this rank posted its failure in, not yet acted on
         self._fresh_threads()
         _live.add(self)
 
@@ -364,11 +367,25 @@ class AsyncSaver:
         self._worker.shutdown()
 
     # -- collectives ---------------------------------------------------------------------------------
+    def poll(self) -> None:
+        """The per-step check for training loops: a background failure is raised on every rank at one step.
+
+        Call it on every rank once per training step, after the step. While no rank has a failure it costs one
+        non-blocking store read and waits for no rank. A rank whose write failed posts the failure in this call
+        and returns; at the next call every rank, that one too, raises the same :class:`~ranksafe.RankFailure`
+        (why the next and not this one: :class:`~ranksafe.collectives.StepNotice`). Each failure is reported
+        once, here or by :meth:`check`/:meth:`close`. In a single process the original error is raised, at the
+        next call too.
+        """
+        self._not_from_writer_thread("poll")
+        poll_savers([self])
+
     def check(self) -> None:
         """Raise :class:`~ranksafe.RankFailure` on every rank if any rank's background work failed.
 
-        A collective costing one exchange: cheap enough for every training step. Each failure is
-        reported once. In a single process the original error is raised unchanged.
+        A collective costing one exchange, which waits for every rank: a barrier that also reports failures
+        (at every step, :meth:`poll` costs less). Each failure is reported once, a failure that :meth:`poll`
+        has posted but not yet raised included. In a single process the original error is raised unchanged.
         """
         self._not_from_writer_thread("check")
         check_savers([self], self.name)
@@ -453,12 +470,47 @@ def check_savers(savers: Iterable[AsyncSaver], name: str = "async save", point: 
         if err is not None:
             owner = saver
             break
+    if owner is not None and owner._carried_by is not None:  # the exchange reports it: no rank acts on the notice
+        owner._carried_by.withdraw()
+        owner._carried_by = None
     try:
         share_outcome(f"{name}: {point}", err)
     except (BarrierTimeout, CollectiveMismatch):
         if owner is not None:
             owner._put_back(err)
         raise
+
+
+def poll_savers(savers: Sequence[AsyncSaver]) -> None:
+    """:meth:`AsyncSaver.poll` for several savers at the price of one store read; every rank, once per step.
+
+    The first saver's notice carries a failure of any of them: pass the same savers in the same order at every
+    step, and do not also poll the first one on its own. One failure is posted at a time; another stays
+    pending for the next one (or for :func:`check_savers`).
+    """
+    notice = savers[0]._notice
+    due = notice.poll()
+    if due is not None:
+        _raise_notice(savers, notice, due.payload)
+    pending = next((saver for saver in savers if saver.failed and saver._carried_by is None), None)
+    if pending is not None:
+        failure = Failure.from_exception(topology.rank(), pending.error)  # type: ignore[arg-type]
+        standing = notice.post((pending.name, failure))
+        if standing.payload == (pending.name, failure):  # not another rank's, posted first
+            pending._carried_by = notice
+
+
+def _raise_notice(savers: Sequence[AsyncSaver], notice: StepNotice, payload: tuple[str, Failure]) -> None:
+    """Raise the failure a rank posted in ``notice``, on every rank alike; the poster marks it reported."""
+    err = None
+    for saver in savers:
+        if saver._carried_by is notice:
+            saver._carried_by = None
+            err = saver.take_error()
+    if err is not None and topology.world_size() == 1:
+        raise err
+    name, failure = payload
+    raise rank_failure(f"{name}: background write", [failure]) from err
 
 
 def _report_unchecked(failure: list[BaseException | None]) -> None:

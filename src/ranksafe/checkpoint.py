@@ -32,7 +32,7 @@ from typing import Any
 
 from . import remote, topology
 from .async_save import AsyncSaver
-from .collectives import broadcast, exchange, share_outcome, together
+from .collectives import broadcast, exchange_outcome, share_outcome, together
 from .commit import (
     MANIFEST,
     AtomicDir,
@@ -51,7 +51,7 @@ from .commit import (
     step_commit,
     verify_step,
 )
-from .errors import BarrierTimeout, CollectiveMismatch, CorruptCheckpoint, Failure, rank_failure
+from .errors import BarrierTimeout, CollectiveMismatch, CorruptCheckpoint
 from .files import ChecksummingWriter, load_file, local_path, probe_write, save_with_footer
 from .lock import StateDictLock
 from .remote import Remote
@@ -258,15 +258,14 @@ class CheckpointManager:
         commit), and the block's end snapshots ``writer_files`` and hands the commit to the background
         thread instead of the third exchange.
 
-        ``metrics`` (name -> number) go into the step's manifest; with a ``best_metric`` they rank the steps for
-        retention, and rank 0's are taken on every node (one more exchange), so every node keeps the same steps.
+        ``metrics`` (name -> number) go into the step's manifest, and rank 0's are taken on every node (they travel
+        in the exchange that follows the block): with a ``best_metric`` they rank the steps for retention, and every
+        node keeps the same steps.
         """
         writer_files = dict(writer_files or {})
         for name in writer_files:
             check_name(name, "file name")
         metrics = {k: float(v) for k, v in (metrics or {}).items()}
-        if self.retention.best_metric and topology.world_size() > 1:
-            metrics = broadcast(metrics, name=f"checkpoint {step}: metrics", timeout=self.timeout)
         where = self.placement
         if self._saver is not None:
             if where.writer:
@@ -279,24 +278,24 @@ class CheckpointManager:
                 self._clean_debris()
                 commit.create()
         tx = StepWriter(commit, step)
-        tx.metrics = metrics
         exc: BaseException | None = None
         try:
             yield tx
         except BaseException as e:
             exc = e
-        me = None if exc is None else Failure.from_exception(topology.rank(), exc)
-        posted = exchange(f"checkpoint {step}: written", (topology.node_rank(), tx.entries, me), list, self.timeout)
-        failures = [f for _, _, f in posted if f is not None]
-        if failures:
+        try:
+            posted = exchange_outcome(
+                f"checkpoint {step}: written", (topology.node_rank(), tx.entries, metrics), exc, list, self.timeout,
+                what=f"checkpoint {step}: write",
+            )  # fmt: skip
+        except BaseException:
             if where.writer:
                 commit.abort()
-            if exc is not None and topology.world_size() == 1:
-                raise exc
-            raise rank_failure(f"checkpoint {step}: write", failures) from exc
+            raise
         for node, entries, _ in posted:
             if where.group is None or node in where.group:
                 tx.entries.update(entries)
+        tx.metrics = posted[0][2]  # rank 0's, on every node
         if self._saver is None:
             with together(f"checkpoint {step}: commit", self.timeout):
                 if where.writer:
@@ -424,13 +423,7 @@ class CheckpointManager:
             except OSError as e:
                 error = error_naming_target(e, "cannot list the checkpoints in", self.root)
         what = f"checkpoint {self.root}: steps"
-        failure = None if error is None else Failure.from_exception(topology.rank(), error)
-        common, failures = exchange("checkpoint: steps", (mine, failure), _newest_common, self.timeout, what=what)
-        if failures:
-            if error is not None and topology.world_size() == 1:
-                raise error
-            raise rank_failure(what, failures) from error
-        return common
+        return exchange_outcome("checkpoint: steps", mine, error, _newest_common, self.timeout, what=what)
 
     def latest(self) -> int | None:
         """The newest step committed on every node, the same on every rank; ``None`` when there is none."""
@@ -493,12 +486,19 @@ class CheckpointManager:
         if self._saver is not None:
             self._saver.shutdown()
 
+    def poll(self) -> None:
+        """The per-step check for training loops: a failed background commit is raised on every rank at the next
+        call (:meth:`~ranksafe.AsyncSaver.poll`). Every rank, once per step; one store read while no rank has a
+        failure, and none without ``async_save``."""
+        if self._saver is not None:
+            self._saver.poll()
+
     def check(self) -> None:
         """Raise :class:`~ranksafe.RankFailure` on every rank if a background commit failed on any rank.
 
-        Collective, one exchange (also without ``async_save``: every rank may call it unconditionally).
-        It does not wait for the commit in flight; each failure is reported once. In a single process
-        the original error is raised unchanged.
+        Collective, one exchange (also without ``async_save``: every rank may call it unconditionally), which
+        waits for every rank. It does not wait for the commit in flight; each failure is reported once. In a
+        single process the original error is raised unchanged.
         """
         if self._saver is not None:
             self._saver.check()
@@ -534,8 +534,7 @@ class CheckpointManager:
         return None
 
 
-def _newest_common(posts: list[tuple[list[int] | None, Failure | None]]) -> tuple[list[int], list[Failure]]:
-    """The steps every writer listed, newest first, and the writers' failures to list."""
-    sets = [set(steps) for steps, _ in posts if steps is not None]
-    common = sorted(set.intersection(*sets), reverse=True) if sets else []
-    return common, [f for _, f in posts if f is not None]
+def _newest_common(listed: list[list[int] | None]) -> list[int]:
+    """The steps every writer listed (non-writers list ``None``), newest first."""
+    sets = [set(steps) for steps in listed if steps is not None]
+    return sorted(set.intersection(*sets), reverse=True) if sets else []

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from . import topology
-from .collectives import exchange
+from .collectives import exchange_outcome
 from .errors import Failure, rank_failure
 from .files import local_path, make_dirs
 
@@ -79,11 +79,6 @@ def detect(directory: str | os.PathLike, timeout: float | None = None) -> Kind:
     return placement(directory, "auto", timeout).kind
 
 
-def _raise_failures(what: str, failures: list[Failure]) -> None:
-    if failures:
-        raise rank_failure(what, failures)
-
-
 def probe(directory: str | os.PathLike, timeout: float | None = None) -> dict[int, frozenset[int]]:
     """For every node, the nodes whose token its ranks all see in ``directory``; collective, uncached.
 
@@ -92,8 +87,9 @@ def probe(directory: str | os.PathLike, timeout: float | None = None) -> dict[in
     mount, to load from), the listings are compared instead (:func:`_compare_listings`).
     """
     directory = os.path.abspath(local_path(directory))
+    what = f"storage probe {directory}"
     node, me = topology.node_rank(), topology.rank()
-    token, path, failure, read_only = None, None, None, False
+    token, path, error, read_only_error = None, None, None, None
     if topology.is_local_main():
         try:
             make_dirs(directory)
@@ -101,36 +97,38 @@ def probe(directory: str | os.PathLike, timeout: float | None = None) -> dict[in
             path = os.path.join(directory, f"{PROBE_PREFIX}{node}-{token}")
             os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
         except OSError as e:
-            failure, path, token = Failure.from_exception(me, e), None, None
-            read_only = e.errno in _READ_ONLY
+            path, token = None, None
+            if e.errno in _READ_ONLY:  # not a failure yet: loading from a read-only mount is fine
+                read_only_error = Failure.from_exception(me, e)
+            else:
+                error = e
     try:
-        posted = exchange(
-            "storage probe: tokens", (node, token, failure, read_only), list, timeout, what=f"storage probe {directory}"
-        )
-        mains = [ro for _, t, f, ro in posted if t is not None or f is not None]
+        mine = (node, token, read_only_error)
+        posted = exchange_outcome("storage probe: tokens", mine, error, list, timeout, what=what)
+        mains = [ro is not None for _, t, ro in posted if t is not None or ro is not None]
         if mains and all(mains):  # no node can write here: tell the copies apart by what they hold
             return _compare_listings(directory, timeout)
-        _raise_failures(f"storage probe {directory}", [f for _, _, f, _ in posted if f is not None])
-        tokens = {n: t for n, t, _, _ in posted if t is not None}
-        headless = sorted({n for n, _, _, _ in posted} - tokens.keys())
+        if any(mains):  # some nodes can write here and others cannot
+            raise rank_failure(what, [ro for _, _, ro in posted if ro is not None])
+        tokens = {n: t for n, t, _ in posted if t is not None}
+        headless = sorted({n for n, _, _ in posted} - tokens.keys())
         if headless:
             raise ValueError(f"node(s) {headless} have no local rank 0 to write for them; check LOCAL_RANK")
-        failure = None
+        error = None
         try:
             names = set(os.listdir(directory))
-        except OSError as e:  # a node whose copy of the directory does not exist sees no token
-            names, failure = set(), None if isinstance(e, FileNotFoundError) else Failure.from_exception(me, e)
+        except FileNotFoundError:  # a node whose copy of the directory does not exist sees no token
+            names = set()
+        except OSError as e:
+            names, error = set(), e
         visible = frozenset(n for n, t in tokens.items() if f"{PROBE_PREFIX}{n}-{t}" in names)
-        seen = exchange(
-            "storage probe: seen", (node, visible, failure), list, timeout, what=f"storage probe {directory}"
-        )
-        _raise_failures(f"storage probe {directory}", [f for _, _, f in seen if f is not None])
+        seen = exchange_outcome("storage probe: seen", (node, visible), error, list, timeout, what=what)
     finally:
         if path is not None:
             with contextlib.suppress(OSError):
                 os.unlink(path)
     groups: dict[int, frozenset[int]] = {}
-    for n, vis, _ in seen:
+    for n, vis in seen:
         groups[n] = groups.get(n, vis) & vis
     return groups
 
@@ -152,22 +150,16 @@ def _listing(directory: str) -> tuple | None:
 def _compare_listings(directory: str, timeout: float | None) -> dict[int, frozenset[int]]:
     """:func:`probe` where no node can write a token (a read-only mount of checkpoints to load): nodes whose
     listings of ``directory`` are the same share a copy, as far as reading goes. One exchange."""
-    failure, mine = None, None
+    error, mine = None, None
     try:
         mine = _listing(directory)
     except OSError as e:
-        failure = Failure.from_exception(topology.rank(), e)
-    posted = exchange(
-        "storage probe: listings",
-        (topology.node_rank(), mine, failure),
-        list,
-        timeout,
-        what=f"storage probe {directory}",
-    )
-    _raise_failures(f"storage probe {directory}", [f for _, _, f in posted if f is not None])
+        error = e
+    what = f"storage probe {directory}"
+    posted = exchange_outcome("storage probe: listings", (topology.node_rank(), mine), error, list, timeout, what=what)
     groups: dict[int, frozenset[int]] = {}
-    for n, listing, _ in posted:
-        same = frozenset(m for m, other, _ in posted if other == listing)
+    for n, listing in posted:
+        same = frozenset(m for m, other in posted if other == listing)
         groups[n] = groups.get(n, same) & same
     return groups
 
