@@ -374,8 +374,7 @@ class AsyncSaver:
         non-blocking store read and waits for no rank. A rank whose write failed posts the failure in this call
         and returns; at the next call every rank, that one too, raises the same :class:`~ranksafe.RankFailure`
         (why the next and not this one: :class:`~ranksafe.collectives.StepNotice`). Each failure is reported
-        once, here or by :meth:`check`/:meth:`close`. In a single process the original error is raised, at the
-        next call too.
+        once, here or by :meth:`check`/:meth:`close`. In a single process the original error is raised at once.
         """
         self._not_from_writer_thread("poll")
         poll_savers([self])
@@ -488,6 +487,11 @@ def poll_savers(savers: Sequence[AsyncSaver]) -> None:
     step, and do not also poll the first one on its own. One failure is posted at a time; another stays
     pending for the next one (or for :func:`check_savers`).
     """
+    if topology.world_size() == 1:  # no rank to keep in step: the failure is raised at once, as it is
+        failed = next((saver for saver in savers if saver.failed), None)
+        if failed is not None:
+            raise failed.take_error()  # type: ignore[misc]
+        return
     notice = savers[0]._notice
     due = notice.poll()
     if due is not None:

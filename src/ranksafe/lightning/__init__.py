@@ -5,7 +5,7 @@
 failure is one error everywhere within seconds instead of a hang.
 
 ``RankSafeCheckpointIO(async_save=True)`` writes in the background: old checkpoints are removed only once the
-new one is committed, and a failed write is raised on every rank within one training step.
+new one is committed, and a failed write is raised on every rank at the end of the next training step.
 ``RankSafe(checkpoint_dir=..., keep=3, resume=True)`` also keeps the Trainer's full state in a
 :class:`~ranksafe.CheckpointManager` (atomic step directories, a copy on every node) and resumes from the
 latest step every node has.

@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks import Callback, Checkpoint, EarlyStopping, Mod
 from lightning.pytorch.trainer.states import TrainerFn
 
 from .. import remote, topology
-from ..async_save import check_savers
+from ..async_save import poll_savers
 from ..checkpoint import STATE, CheckpointManager
 from ..collectives import abort, agree, broadcast, together
 from ..files import clean_orphans, probe_write
@@ -119,6 +119,7 @@ class RankSafe(Callback):
         self.manager = self._new_manager()
         self._io: RankSafeCheckpointIO | None = None  # the async plugin of the current run, if any
         self._after_monitors = False  # the epoch's step is saved after the last monitoring callback's epoch end
+        self._polled_step = -1  # the optimizer step whose end on_train_batch_end last checked the savers at
 
     def _new_manager(self) -> CheckpointManager | None:
         if self._manager_args is None:
@@ -165,6 +166,7 @@ class RankSafe(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Runs on every rank once the process group exists, before any checkpoint is loaded or saved."""
         self._io = _async_io(trainer)
+        self._polled_step = -1
         if self._io is not None:
             self._io._attach()
         self._wrap_strategy(trainer, _shared())
@@ -227,13 +229,17 @@ class RankSafe(Callback):
             self.manager.warmup()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        """A background write that failed is raised on every rank now, not at the next save: one exchange per
-        step for the plugin's and the manager's savers together."""
+        """A background write that failed is raised on every rank at the end of the next optimizer step, the same on
+        every rank (:func:`~ranksafe.async_save.poll_savers`): one store read per step while nothing failed. Once
+        per optimizer step, not per micro-batch: a step boundary needs the gradient all-reduce between two."""
+        if trainer.global_step == self._polled_step:
+            return
+        self._polled_step = trainer.global_step
         savers = [self._io.saver] if self._io is not None else []
         if self._async_manager:
             savers.append(self.manager.saver)  # type: ignore[union-attr]
         if savers:
-            check_savers(savers, "RankSafe")
+            poll_savers(savers)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Every ``every_n_epochs`` epochs, the Trainer's full checkpoint becomes a committed manager step: here
