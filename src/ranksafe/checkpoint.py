@@ -27,7 +27,7 @@ import os
 import re
 import shutil
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from . import remote, topology
@@ -57,6 +57,7 @@ from .lock import StateDictLock
 from .remote import Remote
 from .retention import BestMode, Retention
 from .saving import error_naming_target
+from .schedule import SaveSchedule
 from .sharded import refuse_sharded
 from .storage import Placement, Storage, placement
 
@@ -157,8 +158,12 @@ class CheckpointManager:
         best_metric: str | None = None,
         best_mode: BestMode = "min",
         keep_best: int = 0,
+        save_interval_steps: int | None = None,
+        save_interval_seconds: float | None = None,
+        preemption: bool | Iterable[int] = False,
     ):
         self.retention = Retention(keep, keep_period, best_metric, best_mode, keep_best)
+        self.schedule = SaveSchedule(save_interval_steps, save_interval_seconds, preemption, f"checkpoint {prefix}")
         check_name(prefix + "0", "step prefix")
         if storage not in ("auto", "shared", "local"):
             raise ValueError(f"storage must be 'auto', 'shared' or 'local', not {storage!r}")
@@ -180,6 +185,27 @@ class CheckpointManager:
         self._debris = re.compile(rf"^\.({re.escape(prefix)}\d+)(?:{ends})$")
         # writer="all": this manager, not the saver, decides who writes (the storage placement)
         self._saver = AsyncSaver(lock, writer="all", name="checkpoint") if async_save else None
+        self.schedule.install()
+
+    # -- schedules and preemption ---------------------------------------------------------------------
+
+    def should_save(self, step: int) -> bool:
+        """Whether to save at ``step``, the same on every rank: every ``save_interval_steps`` steps, when
+        ``save_interval_seconds`` passed since the last save on rank 0's clock, and when :meth:`reached_preemption`.
+        Every rank, at every step boundary (after the optimizer step); one store read per step at most."""
+        return self.schedule.should_save(step)
+
+    def reached_preemption(self, step: int) -> bool:
+        """True on every rank from the first common step boundary after any rank received a preemption signal
+        (``preemption=True``: SIGTERM or SIGUSR1). Then save this step (:meth:`should_save` says so too), leave the
+        training loop and end the process normally: the next launch resumes from that step. Every rank, at every
+        step boundary; one store read per step while no rank was signalled."""
+        return self.schedule.reached_preemption(step)
+
+    @property
+    def preempted(self) -> bool:
+        """Local: whether :meth:`reached_preemption` has returned True."""
+        return self.schedule.preempted
 
     @property
     def keep(self) -> int | None:
@@ -296,6 +322,7 @@ class CheckpointManager:
             if where.group is None or node in where.group:
                 tx.entries.update(entries)
         tx.metrics = posted[0][2]  # rank 0's, on every node
+        self.schedule.saved()
         if self._saver is None:
             with together(f"checkpoint {step}: commit", self.timeout):
                 if where.writer:
@@ -508,10 +535,12 @@ class CheckpointManager:
     def close(self) -> None:
         """Wait for the commit in flight, then :meth:`check`; collective. Call it at the end of training.
 
-        Afterwards no thread of this manager is running. The manager stays usable. Its exchange is named apart
-        from :meth:`check`'s: a rank that stopped early and closes, while another checks at its next epoch, is a
-        :class:`~ranksafe.CollectiveMismatch` on both instead of a pair that lets the other go on alone.
+        Afterwards no thread of this manager is running, and the preemption signals are handled as they were before
+        it. The manager stays usable. Its exchange is named apart from :meth:`check`'s: a rank that stopped early
+        and closes, while another checks at its next epoch, is a :class:`~ranksafe.CollectiveMismatch` on both
+        instead of a pair that lets the other go on alone.
         """
+        self.schedule.uninstall()
         if self._saver is not None:
             self._saver.close()
         else:

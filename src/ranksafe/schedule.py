@@ -1,0 +1,113 @@
+"""When to save, decided alike on every rank: every N steps, every T seconds by rank 0's clock, and when the
+cluster preempts the job.
+
+A decision that ranks took each on their own would split them: clocks differ between nodes (one rank finds the
+interval over, another not), and a stop signal reaches ranks at different moments, or only some of them. A rank
+that decides to save or to stop then waits in a collective the others never enter. Here the step interval needs no
+exchange (every rank counts the same steps); the two others are :class:`~ranksafe.collectives.StepNotice`\\ s: the
+rank that knows (rank 0 for the clock, a signalled rank for a preemption) posts at its step boundary ``n``, and
+every rank acts at ``n + 1``. While nothing is posted a step costs one non-blocking store read per notice.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable, Iterable
+
+from . import topology
+from .collectives import StepNotice
+from .preemption import DEFAULT_SIGNALS, Signals
+
+
+def _positive(name: str, value: float | None) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+        raise ValueError(f"{name} must be a positive number or None, not {value!r}")
+
+
+class SaveSchedule:
+    """The save and stop decisions of one :class:`~ranksafe.CheckpointManager`; every method is called by every
+    rank, at every step boundary, with the same step numbers.
+
+    Args:
+        every_steps: :meth:`should_save` is True at steps divisible by it.
+        every_seconds: ... and at the first common boundary after this many seconds passed since the last save,
+            by rank 0's ``clock`` (other ranks' clocks are never read).
+        preemption: handle these signals (True: SIGTERM and SIGUSR1) by recording them (:class:`Signals`): from
+            the first common boundary after any rank received one, :meth:`reached_preemption` is True on every rank.
+        name: tells this schedule's notices apart from other schedules' (the same on every rank).
+    """
+
+    def __init__(
+        self,
+        every_steps: int | None = None,
+        every_seconds: float | None = None,
+        preemption: bool | Iterable[int] = False,
+        name: str = "checkpoint",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if every_steps is not None and (isinstance(every_steps, bool) or not isinstance(every_steps, int)):
+            raise ValueError(f"every_steps must be a positive int or None, not {every_steps!r}")
+        _positive("every_steps", every_steps)
+        _positive("every_seconds", every_seconds)
+        self.every_steps, self.every_seconds, self.clock = every_steps, every_seconds, clock
+        chosen = DEFAULT_SIGNALS if preemption is True else () if preemption is False else tuple(preemption)
+        self.signals = Signals(chosen) if chosen else None
+        self.preempted = False  # sticky: once the ranks agreed to stop, they stay stopped
+        self._stop = StepNotice(f"{name}: preemption")
+        self._timer = StepNotice(f"{name}: save interval")
+        self._last_save = clock()  # rank 0's
+        self._posted = {"stop": False, "timer": False}  # this rank posted a notice that is not due yet
+        self._answered: dict[str, tuple[int, bool]] = {}  # each decision's last step and answer: asked twice, one read
+
+    def install(self) -> None:
+        """Start recording the preemption signals (main thread); idempotent."""
+        if self.signals is not None:
+            self.signals.install()
+
+    def uninstall(self) -> None:
+        """Put back the signal handlers :meth:`install` replaced."""
+        if self.signals is not None:
+            self.signals.uninstall()
+
+    def reached_preemption(self, step: int) -> bool:
+        """True on every rank from the first common step boundary after any rank received a preemption signal;
+        one store read per step while none did. Asked again for the same step, the same answer, no read."""
+        if self.signals is None or self.preempted:
+            return self.preempted
+        if (last := self._answered.get("stop")) is not None and last[0] == step:
+            return last[1]
+        due = self._stop.poll()
+        if due is not None:
+            self.preempted = True
+        elif self.signals.received is not None and not self._posted["stop"]:
+            self._stop.post(signal.Signals(self.signals.received).name)
+            self._posted["stop"] = True
+        self._answered["stop"] = (step, self.preempted)
+        return self.preempted
+
+    def should_save(self, step: int) -> bool:
+        """True on every rank at the same steps: every ``every_steps``, when ``every_seconds`` passed on rank 0's
+        clock (at the boundary after rank 0 found it), and when the ranks reached a preemption."""
+        if (last := self._answered.get("save")) is not None and last[0] == step:
+            return last[1]
+        save = bool(self.every_steps) and step % self.every_steps == 0  # type: ignore[operator]
+        if self.every_seconds is not None:
+            if self._timer.poll() is not None:
+                save, self._posted["timer"] = True, False
+            elif self._interval_over():
+                self._timer.post(step)
+                self._posted["timer"] = True
+        save = self.reached_preemption(step) or save
+        self._answered["save"] = (step, save)
+        return save
+
+    def _interval_over(self) -> bool:
+        """On rank 0, with no notice of its own pending: whether ``every_seconds`` passed since the last save."""
+        if not topology.is_main() or self._posted["timer"]:
+            return False
+        return self.clock() - self._last_save >= self.every_seconds  # type: ignore[operator]
+
+    def saved(self) -> None:
+        """A save was made: the seconds interval starts again (rank 0's clock)."""
+        self._last_save = self.clock()

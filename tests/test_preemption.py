@@ -1,0 +1,236 @@
+"""Preemption: a stop signal, received by one rank or by all at different moments, becomes one committed checkpoint
+of one step on every rank and a normal exit; the next launch resumes there. Real signals, real processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ranksafe
+from ranksafe.preemption import Signals
+from ranksafe.schedule import SaveSchedule
+from tests.ranks import LAUNCH_VARS, free_port, run_ranks
+
+TOTAL = 60  # steps of the schedule
+EVERY = 20  # periodic saves
+
+
+def test_signals_are_recorded_chained_and_put_back():
+    seen = []
+    previous = signal.signal(signal.SIGUSR1, lambda s, f: seen.append(s))
+    try:
+        signals = Signals((signal.SIGUSR1, signal.SIGTERM))
+        signals.install()
+        os.kill(os.getpid(), signal.SIGUSR1)  # a real signal, handled between two bytecodes of this thread
+        os.kill(os.getpid(), signal.SIGTERM)  # the default action would end the process: only recorded
+        time.sleep(0.01)
+        assert signals.received == signal.SIGUSR1 and seen == [signal.SIGUSR1]
+        signals.uninstall()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.01)
+        assert seen == [signal.SIGUSR1, signal.SIGUSR1] and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def test_a_single_process_schedule():
+    now = [0.0]
+    schedule = SaveSchedule(every_steps=5, every_seconds=10, preemption=True, clock=lambda: now[0])
+    schedule.install()
+    try:
+        assert [s for s in range(12) if schedule.should_save(s)] == [0, 5, 10]
+        now[0] = 11.0
+        assert [schedule.should_save(s) for s in (12, 13, 14)] == [False, True, False]  # posted at 12, due at 13
+        schedule.saved()
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)
+        assert [schedule.reached_preemption(s) for s in (16, 17)] == [False, True]
+        assert schedule.should_save(17) and schedule.preempted
+        assert schedule.should_save(17) and schedule.reached_preemption(17)  # asked twice: one answer
+    finally:
+        schedule.uninstall()
+
+
+# --- real ranks, a DDP model, signals from outside --------------------------------------------------------------
+
+
+def _train(rank, root, signal_at, async_save):
+    """Train TOTAL steps of a DDP model, saving every EVERY steps and at preemption; resume from the latest."""
+    Path(root, f"pid-{rank}").write_text(str(os.getpid()))
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mgr = ranksafe.CheckpointManager(
+        Path(root, "ckpt"), keep=2, save_interval_steps=EVERY, preemption=True, async_save=async_save
+    )
+    start = 0
+    if (latest := mgr.latest()) is not None:
+        state = mgr.load()
+        model.module.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        start = latest + 1
+    trained = []
+    step = start
+    for step in range(start, TOTAL):
+        loss = model(torch.full((8, 4), float(step))).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        trained.append(step)
+        Path(root, f"step-{rank}").write_text(str(step))
+        if step == signal_at.get(rank):  # this rank's own signal, at its own moment
+            os.kill(os.getpid(), signal.SIGUSR1 if rank % 2 else signal.SIGTERM)
+        time.sleep(0.02)  # a step takes time: the outside signal lands mid-run
+        if mgr.should_save(step) or step == TOTAL - 1:  # asked at every step, by every rank
+            mgr.save(step, {"model": model.module.state_dict(), "opt": opt.state_dict(), "step": step})
+        if mgr.preempted:
+            break
+    mgr.close()
+    return {"trained": trained, "stopped": step, "preempted": mgr.preempted, "latest": mgr.latest()}
+
+
+def _signal_when(root: Path, rank: int, at_step: int, sig: int) -> threading.Thread:
+    """From outside, as a cluster does: send ``sig`` to ``rank``'s process once it reported ``at_step``."""
+
+    def send() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if int(Path(root, f"step-{rank}").read_text() or -1) >= at_step:
+                    os.kill(int(Path(root, f"pid-{rank}").read_text()), sig)
+                    return
+            except (FileNotFoundError, ValueError):
+                pass
+            time.sleep(0.002)
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    return thread
+
+
+def _stopped_together_and_committed(values: list[dict]) -> int:
+    stopped = {v["stopped"] for v in values}
+    assert len(stopped) == 1, f"every rank must stop at the same step: {values}"
+    step = stopped.pop()
+    print(f"{len(values)} ranks stopped at step {step}")
+    for v in values:
+        assert v["preempted"] and v["latest"] == step, v
+    return step
+
+
+def test_a_signal_to_one_rank_stops_every_rank_at_one_committed_step_and_a_relaunch_finishes(tmp_path):
+    sender = _signal_when(tmp_path, 1, 25, signal.SIGTERM)
+    first = run_ranks(_train, 2, args=(str(tmp_path), {}, False), timeout=120).values
+    sender.join(1)
+    stop = _stopped_together_and_committed(first)
+    assert EVERY < stop < TOTAL - 1
+    second = run_ranks(_train, 2, args=(str(tmp_path), {}, False), timeout=120).values
+    for before, after in zip(first, second, strict=True):
+        assert not after["preempted"] and after["latest"] == TOTAL - 1
+        assert before["trained"] + after["trained"] == list(range(TOTAL)), "every step trained exactly once"
+
+
+def test_four_ranks_signalled_at_different_moments_during_background_saves_stop_together(tmp_path):
+    signal_at = {0: 31, 1: 27, 2: 34, 3: 29}  # each rank its own signal; rank 1's comes first
+    values = run_ranks(_train, 4, args=(str(tmp_path), signal_at, True), timeout=180).values
+    stop = _stopped_together_and_committed(values)
+    assert 27 < stop <= 31, stop  # the first boundary every rank reaches after rank 1's signal
+    assert ranksafe.CheckpointManager(tmp_path / "ckpt").load()["step"] == stop
+
+
+def _stock(rank, root):
+    """The control: the same loop without ranksafe's handler; SIGTERM ends the rank where it stands."""
+    Path(root, f"pid-{rank}").write_text(str(os.getpid()))
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(TOTAL):
+        model(torch.full((8, 4), float(step))).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        Path(root, f"step-{rank}").write_text(str(step))
+        time.sleep(0.02)
+        if step % EVERY == 0 and rank == 0:
+            torch.save({"step": step}, Path(root, "stock.pt"))
+        dist.barrier()
+    return step
+
+
+def test_stock_control_loses_the_steps_since_the_last_periodic_save(tmp_path):
+    sender = _signal_when(tmp_path, 1, 25, signal.SIGTERM)
+    ranks = run_ranks(_stock, 2, args=(str(tmp_path),), env={"TEST_PG_TIMEOUT": "5"}, timeout=60)
+    sender.join(1)
+    assert ranks[1].exitcode == -signal.SIGTERM and not ranks[0].ok  # killed; the other fails in the all-reduce
+    saved = torch.load(tmp_path / "stock.pt")["step"]
+    reached = int((tmp_path / "step-1").read_text())
+    print(f"stock: killed at step {reached}, the last checkpoint holds step {saved}: {reached - saved} steps lost")
+    assert reached - saved >= 5
+
+
+_TORCHRUN_SCRIPT = """
+import json, os, sys
+sys.path.insert(0, sys.argv[2])
+import torch.distributed as dist
+dist.init_process_group("gloo")
+from tests.test_preemption import _train
+out = _train(dist.get_rank(), sys.argv[1], {}, False)
+with open(os.path.join(sys.argv[1], f"out-{dist.get_rank()}.json"), "w") as f:
+    json.dump(out, f)
+"""
+
+
+def test_under_torchrun_a_signalled_worker_and_its_peer_exit_normally_at_one_committed_step(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    script = tmp_path / "train.py"
+    script.write_text(_TORCHRUN_SCRIPT)
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+        str(script), str(tmp_path), str(Path(__file__).parent.parent),
+    ]  # fmt: skip
+    sender = _signal_when(tmp_path, 0, 25, signal.SIGTERM)
+    done = subprocess.run(cmd, env=env, timeout=180, capture_output=True, text=True)
+    sender.join(1)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    import json
+
+    values = [json.loads((tmp_path / f"out-{r}.json").read_text()) for r in range(2)]
+    _stopped_together_and_committed(values)
+
+
+@pytest.mark.parametrize("seconds", [0.3])
+def test_a_seconds_interval_is_decided_by_rank_0s_clock_whatever_the_others_read(tmp_path, seconds):
+    values = run_ranks(_timed, 2, args=(seconds,), timeout=90).values
+    naive = [v["naive"] for v in values]
+    ours = [v["ours"] for v in values]
+    disagreements = sum(a != b for a, b in zip(*naive, strict=True))
+    print(f"steps where the ranks' own clocks disagreed: {disagreements}; ranksafe's decisions: {ours[0]}")
+    assert disagreements > 0, "the control must show the skewed clock splitting the ranks"
+    assert ours[0] == ours[1] and any(ours[0])
+
+
+def _timed(rank, seconds):
+    skew = 1000.0 if rank == 1 else 0.0  # rank 1's clock runs far ahead (another node, another time)
+    clock = lambda: time.monotonic() + skew * (time.monotonic() > 0)  # noqa: E731
+    schedule = SaveSchedule(every_seconds=seconds, clock=clock, name="timed")
+    start = clock()
+    naive, ours, last = [], [], start
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))
+    for step in range(40):
+        model(torch.ones(1, 2)).sum().backward()  # the all-reduce that keeps the ranks a step apart at most
+        time.sleep(0.02)
+        now = clock()
+        naive.append(now - last >= seconds if rank == 0 else now - start + skew >= seconds)
+        if naive[-1]:
+            last = now
+        ours.append(schedule.should_save(step))
+        if ours[-1]:
+            schedule.saved()
+    return {"naive": naive, "ours": ours}
