@@ -13,6 +13,7 @@ import ranksafe
 from ranksafe.lightning import RankSafe, RankSafeCheckpointIO
 from tests.ranks import run_ranks
 from tests.s3 import make_bucket, s3_server
+from tests.test_lightning import _loader
 
 
 class Model(pl.LightningModule):
@@ -26,12 +27,6 @@ class Model(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
-def _loader():
-    g = torch.Generator().manual_seed(0)
-    data = torch.utils.data.TensorDataset(torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g))
-    return torch.utils.data.DataLoader(data, batch_size=4)
 
 
 class Steps(Callback):
