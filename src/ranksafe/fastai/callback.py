@@ -110,6 +110,16 @@ _TRANSIENT = {"_fit": None, "_manager": None, "_lock": None, "_fits": 0, "_steps
 pickled."""
 
 
+def _check(checkpoint_dir: str | os.PathLike | None, every: int, resume: bool, scheduled: bool) -> None:
+    """Refuse RankSafe's arguments that cannot work, when it is made (every rank makes it alike)."""
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"every must be a positive int, not {every!r}")
+    if resume and checkpoint_dir is None:
+        raise ValueError("resume=True needs a checkpoint_dir")
+    if scheduled and checkpoint_dir is None:
+        raise ValueError("preemption and save intervals need a checkpoint_dir")
+
+
 class RankSafe(Callback):
     """Make everything fastai writes or decides correct under distributed training (see the module docstring).
 
@@ -145,14 +155,9 @@ class RankSafe(Callback):
         save_interval_steps: int | None = None,
         save_interval_seconds: float | None = None,
     ) -> None:
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"every must be a positive int, not {every!r}")
-        if resume and checkpoint_dir is None:
-            raise ValueError("resume=True needs a checkpoint_dir")
         preemption = preemption if isinstance(preemption, bool) else tuple(preemption)
         SaveSchedule(save_interval_steps, save_interval_seconds, preemption)  # refuses bad values now, not at the fit
-        if (preemption or save_interval_steps or save_interval_seconds) and checkpoint_dir is None:
-            raise ValueError("preemption and save intervals need a checkpoint_dir")
+        _check(checkpoint_dir, every, resume, bool(preemption or save_interval_steps or save_interval_seconds))
         self.checkpoint_dir, self.keep, self.every, self.storage = checkpoint_dir, keep, every, storage
         self.async_save, self.resume_pending = async_save, resume
         self.preemption, self.save_interval_steps = preemption, save_interval_steps
