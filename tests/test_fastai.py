@@ -60,13 +60,13 @@ class Lin(nn.Module):
         return self.l(x_cont)
 
 
-def tabular_dls(path) -> TabularDataLoaders:
+def tabular_dls(path, bs: int = 8) -> TabularDataLoaders:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 3, generator=g)
     df = pd.DataFrame(x.numpy(), columns=list("abc"))
     df["y"] = (x.sum(1) + 0.1 * torch.randn(64, generator=g)).numpy()
     return TabularDataLoaders.from_df(
-        df, path, y_names="y", cont_names=list("abc"), procs=[Normalize], bs=8, valid_idx=list(range(48, 64)),
+        df, path, y_names="y", cont_names=list("abc"), procs=[Normalize], bs=bs, valid_idx=list(range(48, 64)),
         device="cpu",
     )  # fmt: skip
 

@@ -6,7 +6,10 @@ rank 0's epoch record before any tracker reads it (so trackers decide alike), ev
 error in one rank's callbacks stops the others before the next gradient all-reduce), and ``CSVLogger``, ``lr_find``
 and ``TerminateOnNaNCallback`` act as one job (:mod:`ranksafe.fastai.guards`). With ``checkpoint_dir=``, every
 ``every`` epochs the training state (:mod:`ranksafe.fastai.training_state`) goes into a step of a
-:class:`~ranksafe.CheckpointManager`. In a single process it changes nothing fastai writes or decides.
+:class:`~ranksafe.CheckpointManager`; with ``preemption=True`` a stop signal (SIGTERM, SIGUSR1) to any rank becomes one
+checkpoint of the same batch on every rank and a fit that returns normally, and ``save_interval_steps`` /
+``save_interval_seconds`` save inside epochs too; a resume goes on from the batch after the saved one
+(:mod:`ranksafe.fastai.mid_epoch`). In a single process it changes nothing fastai writes or decides.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +26,7 @@ from fastai.callback.core import Callback
 from fastai.callback.schedule import LRFinder
 from fastai.callback.tracker import EarlyStoppingCallback, ReduceLROnPlateau, TrackerCallback
 from fastai.distributed import DistributedTrainer
-from fastai.learner import Learner, SkipToEpoch
+from fastai.learner import CancelFitException, Learner, SkipToEpoch
 from fastcore.foundation import L
 
 from .. import topology
@@ -30,12 +34,28 @@ from ..checkpoint import CheckpointManager
 from ..collectives import abort, barrier, broadcast, together
 from ..files import load_file
 from ..lock import StateDictLock
+from ..schedule import SaveSchedule
 from ..storage import Storage
 from . import learner
 from .distributed import any_backend, prepare_distributed
 from .guards import guard, quiet_csv_loggers, unguard
 from .learner import METHODS, install, stock_method, uninstall
-from .training_state import FIT, STATE, STEP_BASE, rank_state, restore, rng_file, set_rank_state, training_state
+from .mid_epoch import Resumption, end_resumed_epoch, restore_epoch_start, skip_done_batches
+from .training_state import (
+    BATCHES,
+    EPOCH_START,
+    FIT,
+    STATE,
+    STEP_BASE,
+    STEPS,
+    TRAIN_ITER,
+    generators,
+    rank_state,
+    restore,
+    rng_file,
+    set_rank_state,
+    training_state,
+)
 
 
 @dataclass
@@ -48,10 +68,15 @@ class _Fit:
     ordinal: int = 0  # which checkpointing fit of the process this is: a re-run script finds its place with it
     base: int = 0  # the step number of the fit's epoch 0
     history: list = field(default_factory=list)  # the recorded values of the epochs a resume skips
+    tracked_epoch: int | None = None  # the skipped epoch saved before its trackers ran: they run for it as usual
+    resumption: Resumption | None = None  # the epoch a checkpoint taken inside it goes on from, until it starts
     skip: SkipToEpoch | None = None  # fastai's epoch skipper, while resuming
+    boundary: _StepBoundary | None = None  # the step boundary after each training batch, with saves inside epochs
     trained: bool = False  # this epoch trained (an epoch a resume skips saves nothing)
+    epoch_start: dict | None = None  # this rank's generators when this epoch's training started (saves inside it)
+    cancelled: bool = False  # the batch in progress was cancelled: not a step boundary
     holding: bool = False  # the optimizer step holds the write side of the state lock
-    quieted: list[Callback] = field(default_factory=list)  # trackers kept quiet on an epoch a resume skips
+    quieted: list[tuple[Callback, str]] = field(default_factory=list)  # trackers' events kept quiet, by event
 
 
 def _validating(learn: Learner) -> bool:
@@ -60,12 +85,39 @@ def _validating(learn: Learner) -> bool:
     return learn.lock.locked()
 
 
+class _StepBoundary(Callback):
+    """Marks the step boundary after every callback's ``after_batch``: a checkpoint taken there holds what each one did
+    with the batch (RankSafe's own ``after_batch`` comes before the trackers' and loggers'), and a fit stopped there
+    ends after a batch every callback saw whole."""
+
+    order = 1000
+
+    def __init__(self, owner: RankSafe) -> None:
+        self.owner = owner
+
+    def after_batch(self) -> None:
+        """At the boundary, :meth:`RankSafe._step_boundary`."""
+        self.owner._step_boundary()
+
+
 def _skipped_event() -> None:
-    """A tracker's ``after_epoch`` on an epoch a resume skips (see :meth:`RankSafe._quiet_trackers`)."""
+    """A tracker's ``after_epoch`` on an epoch a resume skips, or its ``after_fit`` at the end of a preempted fit (see
+    :meth:`RankSafe._quiet_trackers`)."""
 
 
-_TRANSIENT = {"_fit": None, "_manager": None, "_lock": None, "_fits": 0, "_exported_ranks": False}
-"""RankSafe's attributes that belong to this process (a fit, a background writer): never pickled."""
+_TRANSIENT = {"_fit": None, "_manager": None, "_lock": None, "_fits": 0, "_steps": 0, "_exported_ranks": False}
+"""RankSafe's attributes that belong to this process (a fit, a background writer, the optimizer steps so far): never
+pickled."""
+
+
+def _check(checkpoint_dir: str | os.PathLike | None, every: int, resume: bool, scheduled: bool) -> None:
+    """Refuse RankSafe's arguments that cannot work, when it is made (every rank makes it alike)."""
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"every must be a positive int, not {every!r}")
+    if resume and checkpoint_dir is None:
+        raise ValueError("resume=True needs a checkpoint_dir")
+    if scheduled and checkpoint_dir is None:
+        raise ValueError("preemption and save intervals need a checkpoint_dir")
 
 
 class RankSafe(Callback):
@@ -81,6 +133,11 @@ class RankSafe(Callback):
         storage: ``"auto"``, ``"shared"`` or ``"local"``: see :class:`~ranksafe.CheckpointManager`.
         resume: the first ``fit`` continues from the newest checkpoint, if there is one (as ``learn.resume()`` does
             for the next ``fit``); if a later fit of the run wrote it, the fits before that one are skipped whole.
+        preemption: handle SIGTERM and SIGUSR1 (or these signals) during each fit: when any rank receives one, every
+            rank saves a checkpoint after the same training batch and the fit returns normally, with
+            ``learn.preempted`` True (later fits of the process then train nothing). The next run resumes there.
+        save_interval_steps: also save every this many optimizer steps of the run, inside epochs.
+        save_interval_seconds: also save when this many seconds passed since the last save (rank 0's clock).
     """
 
     order = 55  # after Recorder (50) has recorded the epoch; before CSVLogger, LRFinder, trackers (60+)
@@ -94,13 +151,18 @@ class RankSafe(Callback):
         async_save: bool = False,
         storage: Storage = "auto",
         resume: bool = False,
+        preemption: bool | Iterable[int] = False,
+        save_interval_steps: int | None = None,
+        save_interval_seconds: float | None = None,
     ) -> None:
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"every must be a positive int, not {every!r}")
-        if resume and checkpoint_dir is None:
-            raise ValueError("resume=True needs a checkpoint_dir")
+        preemption = preemption if isinstance(preemption, bool) else tuple(preemption)
+        SaveSchedule(save_interval_steps, save_interval_seconds, preemption)  # refuses bad values now, not at the fit
+        _check(checkpoint_dir, every, resume, bool(preemption or save_interval_steps or save_interval_seconds))
         self.checkpoint_dir, self.keep, self.every, self.storage = checkpoint_dir, keep, every, storage
         self.async_save, self.resume_pending = async_save, resume
+        self.preemption, self.save_interval_steps = preemption, save_interval_steps
+        self.save_interval_seconds = save_interval_seconds
+        self._preempted = False
         self._installed: tuple[str, ...] = ()
         vars(self).update(_TRANSIENT)
         self._exported_ranks = prepare_distributed()  # fastai saw no job before this (see _refuse_training_alone)
@@ -113,6 +175,16 @@ class RankSafe(Callback):
         return self._lock
 
     @property
+    def preempted(self) -> bool:
+        """Whether a fit was stopped by a preemption signal (also ``learn.preempted``, while attached)."""
+        return self._preempted
+
+    @property
+    def _scheduled(self) -> bool:
+        """Saves may come inside epochs: every step boundary asks the manager."""
+        return bool(self.preemption or self.save_interval_steps or self.save_interval_seconds)
+
+    @property
     def manager(self) -> CheckpointManager | None:
         """The :class:`~ranksafe.CheckpointManager` of ``checkpoint_dir`` (made at the first fit)."""
         return self._manager
@@ -120,7 +192,7 @@ class RankSafe(Callback):
     @property
     def learn(self) -> Learner | None:
         """The Learner this callback is attached to (None when it is not): ``Learner.add_cb`` sets it, installing the
-        rank-safe methods on that Learner; ``remove_cb`` sets None, removing them."""
+        rank-safe methods and ``preempted`` on that Learner; ``remove_cb`` sets None, removing them."""
         return self._learn
 
     @learn.setter
@@ -132,10 +204,12 @@ class RankSafe(Callback):
             self._end_fit(exc)
         if self._learn is not None:
             uninstall(self._learn, self._installed, _METHODS)
+            vars(self._learn).pop("preempted", None)
         self._learn, self._installed = learn, ()
         if learn is not None:
             self._exported_ranks |= prepare_distributed()
             self._installed = install(learn, _METHODS, added=("resume",))
+            vars(learn)["preempted"] = self._preempted
         if ending:
             _meet_or_abort(exc)
 
@@ -184,11 +258,21 @@ class RankSafe(Callback):
 
     def _start_checkpointing(self, fit: _Fit) -> None:
         fit.checkpointing, fit.ordinal, self._fits = True, self._fits, self._fits + 1
+        if self._preempted:  # the process is to end, and the next run to resume: this fit trains nothing
+            self._skip_to(fit, self.learn.n_epoch)
+            return
+        if self._scheduled:
+            fit.boundary = _StepBoundary(self)
+            self.learn.add_cb(fit.boundary)
         if self._manager is None:
             root = Path(self.learn.path) / self.checkpoint_dir
             self._manager = CheckpointManager(
-                root, self.keep, self.storage, async_save=self.async_save, lock=self.state_lock
-            )
+                root, self.keep, self.storage, async_save=self.async_save, lock=self.state_lock,
+                save_interval_steps=self.save_interval_steps, save_interval_seconds=self.save_interval_seconds,
+                preemption=self.preemption,
+            )  # fmt: skip
+        else:
+            self._manager.schedule.install()  # the end of the last fit put the signal handlers back
         newest = self._manager.latest()  # agreed: every rank numbers this fit's steps alike
         fit.base = 0 if newest is None else newest + 1
         if self.resume_pending:
@@ -218,15 +302,23 @@ class RankSafe(Callback):
         if writer < fit.ordinal:
             fit.ordinal, self._fits = writer, writer + 1
         step_dir = mgr.step_dir(mgr.loaded_step)
-        rng = os.path.join(step_dir, rng_file(topology.rank()))
+        rng, mine = os.path.join(step_dir, rng_file(topology.rank())), None
         with together("fastai: resume", what=f"resume from {step_dir}"):
             restore(self.learn, state)
             if os.path.exists(rng):  # absent when the world grew since: those ranks start new generators
-                set_rank_state(self.learn, load_file(rng))
+                mine = load_file(rng)
+                set_rank_state(self.learn, mine)
             else:
                 warnings.warn(f"{rng} does not exist: random generators not restored", RuntimeWarning, stacklevel=2)
+        self._steps, fit.history = state.get(STEPS, 0), state["recorder"]
+        if BATCHES in state:  # taken inside epoch `epoch`: it goes on from its next batch (before_train)
+            fit.resumption = Resumption.of(state, mine)
+            fit.base = state[STEP_BASE] + 1  # as after that save, in the run that made it
+            self._skip_to(fit, state["epoch"])
+            return
         fit.base = state.get(STEP_BASE, mgr.loaded_step - state["epoch"])
-        fit.history = state["recorder"]
+        fit.tracked_epoch = state["epoch"]
+        self.learn.train_iter = state.get(TRAIN_ITER, 0)
         self._skip_to(fit, state["epoch"] + 1)
 
     def _skip_to(self, fit: _Fit, epoch: int) -> None:
@@ -241,7 +333,9 @@ class RankSafe(Callback):
         if fit is None or _validating(self.learn):
             return
         fit.epoch = self.epoch
-        self._unquiet_trackers(fit)
+        self._unquiet_trackers(fit, "after_epoch")
+        if fit.resumption is not None and fit.resumption.epoch == self.epoch:
+            skip_done_batches(self.learn, fit.resumption)
         recorder = getattr(self.learn, "recorder", None)
         if recorder is not None and self.epoch < len(fit.history):
             recorder.log = L(self.epoch, *fit.history[self.epoch])
@@ -252,10 +346,24 @@ class RankSafe(Callback):
             barrier("fastai: epoch start")
 
     def before_train(self) -> None:
-        """Note that this epoch trains; let the loader of this pass broadcast under any backend."""
+        """Note that this epoch trains; let the loader of this pass broadcast under any backend. With saves inside
+        epochs: keep the generators of the epoch's start, or, in the epoch a checkpoint taken inside it stopped, go
+        on from the batch after the saved one."""
         any_backend([self.learn.dl])
-        if self._fit is not None:
-            self._fit.trained = True
+        fit = self._fit
+        if fit is None:
+            return
+        fit.trained = True
+        if fit.resumption is not None and fit.resumption.epoch == self.epoch:
+            at, fit.resumption = fit.resumption, None
+            restore_epoch_start(self.learn, at)
+            fit.epoch_start = at.epoch_start
+        elif fit.checkpointing and self._scheduled:
+            fit.epoch_start = generators(self.learn)
+
+    def after_train(self) -> None:
+        """The resumed epoch's training pass is over: later passes iterate whole."""
+        end_resumed_epoch(self.learn)
 
     def before_validate(self) -> None:
         """Let the loader of this pass broadcast under any backend (``DistributedTrainer`` may have just made it)."""
@@ -273,10 +381,32 @@ class RankSafe(Callback):
         """Release the write side: a background snapshot may read the weights again."""
         self._release()
 
+    def after_cancel_batch(self) -> None:
+        """A cancelled training batch (``GradientAccumulation`` between optimizer steps) is not a step boundary."""
+        if self._fit is not None and self.training:
+            self._fit.cancelled = True
+
     def after_batch(self) -> None:
         """Release the write side if ``after_step`` did not run (a batch cancelled in an earlier callback's
         ``after_step`` skips the rest of ``after_step``; ``after_batch`` runs for it too)."""
         self._release()
+
+    def _step_boundary(self) -> None:
+        """After a training batch that was not cancelled (every callback's ``after_batch`` done): every rank asks the
+        manager (one store read), saves if it says so, and stops the fit when the ranks reached a preemption."""
+        fit = self._fit
+        if fit is None or not fit.checkpointing or not self.training or _validating(self.learn):
+            return
+        cancelled, fit.cancelled = fit.cancelled, False
+        if cancelled or not self._scheduled:
+            return
+        self._steps += 1
+        if self._manager.should_save(self._steps):
+            self._save(fit, inside_epoch=True)
+        if self._manager.preempted:
+            self._preempted = True
+            vars(self.learn)["preempted"] = True
+            raise CancelFitException  # every rank, after the same batch: fastai runs after_fit, fit returns
 
     def _release(self) -> None:
         if self._fit is not None and self._fit.holding:
@@ -289,13 +419,25 @@ class RankSafe(Callback):
         fit = self._fit if self._fit is not None and not _validating(self.learn) else None
         checkpointing = fit is not None and fit.checkpointing
         self._release()
-        if checkpointing and not fit.trained and self.epoch != len(fit.history) - 1:
+        end_resumed_epoch(self.learn)  # an epoch cancelled before its training pass
+        if checkpointing and not fit.trained and self.epoch != fit.tracked_epoch:
             self._quiet_trackers(fit, bookkeeping=self.epoch < len(fit.history))
         self._agree_on_record()
         if checkpointing and fit.trained and (self.epoch + 1) % self.every == 0:
-            state = training_state(self.learn, fit=fit.ordinal, step_base=fit.base)
-            with self._manager.saving(fit.base + self.epoch, {STATE: state}) as tx:
-                tx.save(rank_state(self.learn), rng_file(topology.rank()))
+            self._save(fit, inside_epoch=False)
+
+    def _save(self, fit: _Fit, inside_epoch: bool) -> None:
+        """Save step ``base + epoch``: at the epoch's end, or inside it (after the training batch ``learn.iter``).
+        A save inside an epoch takes the number of the epoch's end: that end, and the epochs after it, are numbered
+        one further, so no step number is saved twice."""
+        state = training_state(self.learn, fit.ordinal, fit.base, self._steps, inside_epoch)
+        mine = rank_state(self.learn)
+        if inside_epoch:
+            mine[EPOCH_START] = fit.epoch_start
+        with self._manager.saving(fit.base + self.epoch, {STATE: state}) as tx:
+            tx.save(mine, rng_file(topology.rank()))
+        if inside_epoch:
+            fit.base += 1
 
     def _agree_on_record(self) -> None:
         """Every rank's epoch record becomes rank 0's (one broadcast; a ``get_preds`` pass records nothing)."""
@@ -308,41 +450,58 @@ class RankSafe(Callback):
         """An epoch a resume skips, before the saved one: the trackers acted on it in the run that saved it, and what
         they did is in the restored state (the best model on disk, the reduced learning rate). They update what they
         track (the best value, the epochs without improvement) and do nothing else. The saved epoch itself was
-        checkpointed before its trackers ran, so they run for it as usual. A fit skipped whole: nothing runs."""
-        for cb in self.learn.cbs:
-            if not isinstance(cb, TrackerCallback) or not cb.run:
-                continue
+        checkpointed before its trackers ran, so they run for it as usual (:attr:`_Fit.tracked_epoch`; none for a
+        checkpoint taken inside an epoch: every epoch before it was over). A fit skipped whole: nothing runs."""
+        for cb in self._trackers():
             if bookkeeping:
                 TrackerCallback.after_epoch(cb)
                 if isinstance(cb, (EarlyStoppingCallback, ReduceLROnPlateau)):
                     cb.wait = 0 if cb.new_best else cb.wait + 1
                     if isinstance(cb, ReduceLROnPlateau) and cb.wait >= cb.patience:
                         cb.wait = 0  # the reduction it made then is in the restored hypers
-            vars(cb)["after_epoch"] = _skipped_event
-            fit.quieted.append(cb)
+            self._quiet(fit, cb, "after_epoch")
 
-    def _unquiet_trackers(self, fit: _Fit) -> None:
-        for cb in fit.quieted:
-            vars(cb).pop("after_epoch", None)
-        fit.quieted.clear()
+    def _trackers(self) -> list[TrackerCallback]:
+        return [cb for cb in self.learn.cbs if isinstance(cb, TrackerCallback) and cb.run]
+
+    @staticmethod
+    def _quiet(fit: _Fit, cb: Callback, event: str) -> None:
+        vars(cb)[event] = _skipped_event
+        fit.quieted.append((cb, event))
+
+    @staticmethod
+    def _unquiet_trackers(fit: _Fit, event: str | None = None) -> None:
+        """Give the trackers back their ``event`` (None: every event kept quiet)."""
+        for cb, quiet in [q for q in fit.quieted if event in (None, q[1])]:
+            vars(cb).pop(quiet, None)
+            fit.quieted.remove((cb, quiet))
 
     def after_fit(self) -> None:
-        """At the end of the fit: wait for the last checkpoint and raise its failure on every rank."""
+        """At the end of the fit: wait for the last checkpoint and raise its failure on every rank. A preempted fit is
+        not the end of training (the next run goes on): the trackers' ``after_fit`` (``SaveModelCallback`` loading the
+        best model, or saving the last one) waits for the fit that ends it."""
         quiet_csv_loggers(self.learn)
         fit = self._fit
         if fit is not None and _validating(self.learn):
             self.learn.epoch = fit.epoch  # a validate pass inside the fit ended: TrainEvalCallback set it to 0
         elif fit is not None and fit.checkpointing:
+            if self._preempted:
+                for cb in self._trackers():
+                    self._quiet(fit, cb, "after_fit")
             self._stop_checkpointing(fit, failed=False)
 
     def _stop_checkpointing(self, fit: _Fit, failed: bool) -> None:
-        """Undo what checkpointing set up; wait for the write in flight, or after a failure just stop the writer."""
+        """Undo what checkpointing set up; wait for the write in flight, or after a failure just stop the writer. The
+        signal handlers are put back either way."""
         fit.checkpointing = False
-        self._unquiet_trackers(fit)
+        self._unquiet_trackers(fit, "after_epoch")
         self._release()
-        if fit.skip is not None:
-            self.learn.remove_cb(fit.skip)
+        end_resumed_epoch(self.learn)
+        for cb in (fit.skip, fit.boundary):
+            if cb is not None:
+                self.learn.remove_cb(cb)
         if failed:
+            self._manager.schedule.uninstall()
             self._manager.shutdown()
         else:
             self._manager.close()  # collective: waits for the write in flight, raises its failure everywhere
@@ -353,6 +512,7 @@ class RankSafe(Callback):
         if fit is None:
             return
         unguard(fit.guarded)
+        self._unquiet_trackers(fit)
         if exc is not None:
             quiet_csv_loggers(self.learn, quiet=False)
             if fit.checkpointing:

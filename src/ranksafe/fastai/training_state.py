@@ -5,6 +5,11 @@ MixedPrecision's loss scale, the epoch just completed, the Recorder's values, an
 and one file per rank (``rng-00000.pt``, ...: that rank's random generators, its data loaders' own, and the Recorder's
 smoothed loss), so that a resumed run draws the same batches, augmentations and dropout masks as the uninterrupted one
 and logs the same ``train_loss``. Everything is plain tensors and built-in types: it loads with ``weights_only=True``.
+
+A checkpoint taken inside an epoch (a preemption, a save interval in steps or seconds) also holds how many of that
+epoch's training batches were done and where fastai's schedule stood (``pct_train``, ``train_iter``), and each rank's
+file the generators as they were when the epoch started, so that a resumed run shuffles that epoch alike
+(:mod:`ranksafe.fastai.mid_epoch`).
 """
 
 from __future__ import annotations
@@ -22,6 +27,14 @@ from fastcore.foundation import L
 STATE = "state.pt"
 FIT, STEP_BASE = "fit", "step_base"
 """Keys of :func:`training_state`: the ordinal of the fit that wrote it; the step number of its epoch 0."""
+STEPS, TRAIN_ITER = "steps", "train_iter"
+"""Keys of :func:`training_state`: the optimizer steps of the run so far (what the save schedule counts); fastai's
+count of the fit's training batches."""
+BATCHES, PCT_TRAIN = "batches", "pct_train"
+"""Keys of a checkpoint taken inside epoch ``epoch`` only: its training batches done; fastai's ``pct_train`` then."""
+EPOCH_START = "epoch_start"
+"""Key of a rank's file, in a checkpoint taken inside an epoch: its :func:`generators` when that epoch's training
+started."""
 
 
 def rng_file(rank: int) -> str:
@@ -47,9 +60,12 @@ def _number(x: Any) -> Any:
     return x.item() if isinstance(x, (np.generic, torch.Tensor)) and x.ndim == 0 else x
 
 
-def training_state(learn: Learner, fit: int = 0, step_base: int = 0) -> dict[str, Any]:
+def training_state(
+    learn: Learner, fit: int = 0, step_base: int = 0, steps: int = 0, inside_epoch: bool = False
+) -> dict[str, Any]:
     """The state written once per checkpoint; ``fit`` is the ordinal of the fit in the run, ``step_base`` the step
-    of its epoch 0."""
+    of its epoch 0, ``steps`` the optimizer steps of the run. ``inside_epoch``: taken after the training batch
+    ``learn.iter`` of epoch ``learn.epoch``, not at the epoch's end."""
     recorder = getattr(learn, "recorder", None)
     state = {
         "model": get_model(learn.model).state_dict(),
@@ -58,7 +74,11 @@ def training_state(learn: Learner, fit: int = 0, step_base: int = 0) -> dict[str
         "recorder": [] if recorder is None else [[_number(x) for x in v] for v in recorder.values],
         FIT: fit,
         STEP_BASE: step_base,
+        STEPS: steps,
+        TRAIN_ITER: int(getattr(learn, "train_iter", 0)),
     }
+    if inside_epoch:
+        state[BATCHES], state[PCT_TRAIN] = learn.iter + 1, float(learn.pct_train)
     scaler = getattr(learn, "scaler", None)  # MixedPrecision's GradScaler: the same on every rank
     if scaler is not None and scaler.is_enabled():
         state["scaler"] = scaler.state_dict()
@@ -87,9 +107,8 @@ def _loaders(learn: Learner) -> list[Any]:
     return [dl for dl in found if isinstance(getattr(dl, "rng", None), random.Random)]
 
 
-def rank_state(learn: Learner) -> dict[str, Any]:
-    """This rank's own part of a checkpoint: its random generators and its Recorder's smoothed loss (the loss of this
-    rank's batches, averaged over every batch so far)."""
+def generators(learn: Learner) -> dict[str, Any]:
+    """This rank's random generators: Python's, NumPy's, torch's (and CUDA's), and its data loaders' own."""
     _, keys, pos, has_gauss, cached = np.random.get_state()
     state: dict[str, Any] = {
         "python": random.getstate(),
@@ -99,16 +118,12 @@ def rank_state(learn: Learner) -> dict[str, Any]:
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
-    smooth = getattr(getattr(learn, "recorder", None), "smooth_loss", None)
-    if smooth is not None:
-        val = torch.as_tensor(smooth.val).as_subclass(torch.Tensor)  # fastai's TensorBase needs a full unpickler
-        state["smooth_loss"] = {"count": int(smooth.count), "val": val.detach().cpu()}
     return state
 
 
-def set_rank_state(learn: Learner, state: dict[str, Any]) -> None:
-    """Restore what :func:`rank_state` returned, after the Recorder's ``before_fit`` reset its smoothed loss (the
-    containers may come back from the file as lists; a file without loaders or smoothed loss restores the rest)."""
+def set_generators(learn: Learner, state: dict[str, Any]) -> None:
+    """Put back what :func:`generators` returned (the containers may come back from a file as lists; loaders other
+    than the saved ones keep their own generators)."""
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     n = state["numpy"]
@@ -117,9 +132,26 @@ def set_rank_state(learn: Learner, state: dict[str, Any]) -> None:
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
     loaders = _loaders(learn)
-    if len(loaders) == len(state.get("loaders", ())):  # other loaders now: they keep their own generators
+    if len(loaders) == len(state.get("loaders", ())):
         for dl, (version, internal, gauss) in zip(loaders, state["loaders"], strict=True):
             dl.rng.setstate((version, tuple(internal), gauss))
+
+
+def rank_state(learn: Learner) -> dict[str, Any]:
+    """This rank's own part of a checkpoint: its random :func:`generators` and its Recorder's smoothed loss (the loss
+    of this rank's batches, averaged over every batch so far)."""
+    state = generators(learn)
+    smooth = getattr(getattr(learn, "recorder", None), "smooth_loss", None)
+    if smooth is not None:
+        val = torch.as_tensor(smooth.val).as_subclass(torch.Tensor)  # fastai's TensorBase needs a full unpickler
+        state["smooth_loss"] = {"count": int(smooth.count), "val": val.detach().cpu()}
+    return state
+
+
+def set_rank_state(learn: Learner, state: dict[str, Any]) -> None:
+    """Restore what :func:`rank_state` returned, after the Recorder's ``before_fit`` reset its smoothed loss (a file
+    without loaders or smoothed loss restores the rest)."""
+    set_generators(learn, state)
     smooth = getattr(getattr(learn, "recorder", None), "smooth_loss", None)
     if smooth is not None and "smooth_loss" in state:
         smooth.count, smooth.val = state["smooth_loss"]["count"], state["smooth_loss"]["val"]
