@@ -24,12 +24,12 @@ from typing import Any
 
 from fastai.callback.core import Callback
 from fastai.callback.schedule import LRFinder
-from fastai.callback.tracker import EarlyStoppingCallback, ReduceLROnPlateau, TrackerCallback
+from fastai.callback.tracker import EarlyStoppingCallback, ReduceLROnPlateau, TerminateOnNaNCallback, TrackerCallback
 from fastai.distributed import DistributedTrainer
 from fastai.learner import CancelFitException, Learner, SkipToEpoch
 from fastcore.foundation import L
 
-from .. import topology
+from .. import remote, topology
 from ..checkpoint import CheckpointManager
 from ..collectives import abort, barrier, broadcast, together
 from ..files import load_file
@@ -234,7 +234,9 @@ class RankSafe(Callback):
         if _validating(learn):
             return
         several = topology.world_size() >= 2
-        self._fit = _Fit(guarded=guard(learn.cbs) if several else [])
+        # one process: only lr_find's temporary model needs a hand, where learn.path is a URL (fastai makes local dirs)
+        kinds = (TerminateOnNaNCallback, LRFinder) if several else (LRFinder,) if remote.is_url(learn.path) else ()
+        self._fit = _Fit(guarded=guard(learn.cbs, kinds))
         self._exported_ranks |= prepare_distributed()  # a process group made after this callback and its Learner
         if several:
             self._refuse_training_alone()
@@ -273,6 +275,7 @@ class RankSafe(Callback):
             )  # fmt: skip
         else:
             self._manager.schedule.install()  # the end of the last fit put the signal handlers back
+        self._manager.warmup()  # a root that cannot be written (a bucket, credentials) fails every rank now
         newest = self._manager.latest()  # agreed: every rank numbers this fit's steps alike
         fit.base = 0 if newest is None else newest + 1
         if self.resume_pending:

@@ -12,6 +12,7 @@ The last two get events of their own on the instance (:func:`guard`), ``functool
 
 from __future__ import annotations
 
+import secrets
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable
@@ -26,7 +27,7 @@ from fastai.callback.schedule import LRFinder, ParamScheduler
 from fastai.callback.tracker import TerminateOnNaNCallback
 from fastai.learner import CancelFitException, Learner
 
-from .. import topology
+from .. import remote, topology
 from ..collectives import broadcast, together
 
 
@@ -45,7 +46,9 @@ def _lr_finder_before_fit(cb: LRFinder) -> None:
     models = Path(cb.path) / cb.model_dir
     name = None
     with together("lr_find: temporary directory"):
-        if topology.is_main():
+        if topology.is_main() and remote.is_url(models):  # no directory to make: a name nobody else uses
+            name = f"_lr_find_{secrets.token_hex(4)}"
+        elif topology.is_main():
             models.mkdir(parents=True, exist_ok=True)
             name = Path(tempfile.mkdtemp(dir=models)).name
     cb.tmp_p = broadcast(name, name="lr_find: temporary directory")
@@ -59,8 +62,11 @@ def _lr_finder_after_fit(cb: LRFinder) -> None:
         cb.learn.load(f"{cb.tmp_p}/_tmp", with_opt=True)  # returns on a rank once every rank has read it
     finally:
         with together("lr_find: remove temporary model"):
-            if topology.is_main():
-                shutil.rmtree(Path(cb.path) / cb.model_dir / cb.tmp_p, ignore_errors=True)
+            tmp = Path(cb.path) / cb.model_dir / cb.tmp_p
+            if topology.is_main() and remote.is_url(tmp):
+                remote.Remote.of(tmp).remove()
+            elif topology.is_main():
+                shutil.rmtree(tmp, ignore_errors=True)
 
 
 _EVENTS: dict[type, dict[str, Callable[[Callback], None]]] = {
@@ -69,13 +75,13 @@ _EVENTS: dict[type, dict[str, Callable[[Callback], None]]] = {
 }
 
 
-def guard(cbs: Iterable[Callback]) -> list[tuple[Callback, tuple[str, ...]]]:
-    """Give the ``LRFinder`` and ``TerminateOnNaNCallback`` among ``cbs`` their rank-safe events; returns what was
-    set, for :func:`unguard`."""
+def guard(cbs: Iterable[Callback], kinds: tuple[type, ...] = tuple(_EVENTS)) -> list[tuple[Callback, tuple[str, ...]]]:
+    """Give the ``LRFinder`` and ``TerminateOnNaNCallback`` among ``cbs`` (those of ``kinds``) their rank-safe events;
+    returns what was set, for :func:`unguard`."""
     guarded = []
     for cb in cbs:
         for kind, events in _EVENTS.items():
-            if isinstance(cb, kind):
+            if kind in kinds and isinstance(cb, kind):
                 for name, event in events.items():
                     vars(cb)[name] = partial(event, cb)  # looked up on the instance first
                 guarded.append((cb, tuple(events)))

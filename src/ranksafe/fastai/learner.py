@@ -28,10 +28,10 @@ from fastai.torch_core import default_device, get_model
 from fastcore.foundation import L
 from fastcore.xtras import load_pickle
 
-from .. import saving, topology
+from .. import remote, saving, topology
 from ..collectives import together
 from ..errors import UntrustedCheckpoint
-from ..files import atomic_save
+from ..files import atomic_save, make_dirs
 from . import compat
 
 PathLike = str | os.PathLike
@@ -232,7 +232,8 @@ def export(
             old_dls, state = learn.dls, (learn.opt.state_dict() if learn.opt is not None else None)
             learn.dls, learn.opt = learn.dls.new_empty(), None
             try:
-                target.parent.mkdir(parents=True, exist_ok=True)
+                if not remote.is_url(target):  # a URL (remote storage) has no directory to make
+                    make_dirs(target.parent)
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # PyTorch's warning about unchecked module sources
                     atomic_save(learn, target, pickle_module=pickle_module, pickle_protocol=pickle_protocol)

@@ -1,0 +1,75 @@
+"""fastai with ``learn.path`` on remote storage (an fsspec URL): models, exports, lr_find and checkpoints go
+there, never to a local folder named after the URL; a bucket that cannot be written fails every rank at fit start."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastai")
+
+import fsspec
+from fastai.tabular.all import Callback, Learner, MSELossFlat
+from fastai.torch_core import set_seed
+
+import ranksafe
+from ranksafe.fastai import RankSafe, load_learner
+from tests.ranks import run_ranks
+from tests.s3 import s3_server
+from tests.test_fastai import Lin, params, tabular_dls
+
+
+def _learner(path, cbs) -> Learner:
+    set_seed(0, reproducible=True)
+    return Learner(tabular_dls(Path(".")), Lin(), loss_func=MSELossFlat(), path=Path(path), cbs=cbs)
+
+
+def test_learn_path_on_memory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    fs = fsspec.filesystem("memory")
+    fs.store.clear()
+    learn = _learner("memory://fastai", [RankSafe(checkpoint_dir="ckpt", keep=2)])
+    with learn.no_bar(), learn.no_logging():
+        learn.fit(2, 1e-2)
+        learn.save("model")
+        learn.export()
+        learn.lr_find(num_it=5, show_plot=False)
+    trained = params(learn)
+    assert sorted(fs.ls("/fastai", detail=False)) == ["/fastai/ckpt", "/fastai/export.pkl", "/fastai/models"]
+    assert fs.ls("/fastai/models", detail=False) == ["/fastai/models/model.pth"]  # lr_find's model is gone again
+    assert [s.step for s in ranksafe.list_steps("memory://fastai/ckpt")] == [0, 1]
+    fresh = _learner("memory://fastai", [RankSafe(checkpoint_dir="ckpt", keep=2)])
+    fresh.load("model")
+    assert params(fresh) == trained
+    exported = load_learner("memory://fastai/export.pkl", trusted=True)
+    assert params(exported) == trained
+    assert os.listdir(tmp_path) == [], "nothing may land in a local folder named after the URL"
+
+
+class Batches(Callback):
+    def before_fit(self):
+        self.batches = 0
+
+    def after_batch(self):
+        self.batches += 1 if self.training else 0
+
+
+def _missing_bucket(rank, root):
+    count = Batches()
+    learn = _learner(root, [RankSafe(checkpoint_dir="ckpt"), count])
+    try:
+        with learn.no_bar(), learn.no_logging(), learn.distrib_ctx(sync_bn=False):
+            learn.fit(1, 1e-2)
+        return "trained"
+    except OSError as e:
+        return f"{type(e).__name__} after {count.batches} batches: {e}"
+
+
+def test_a_missing_bucket_fails_every_rank_at_fit_start():
+    with s3_server() as env:
+        values = run_ranks(_missing_bucket, 2, args=("s3://no-such-bucket/run",), env=env, timeout=120).values
+    for said in values:
+        assert said.startswith("RankFailure[FileNotFoundError] after 0 batches"), said
+        assert "cannot write checkpoints to s3://no-such-bucket/run/ckpt (rank 0)" in said
