@@ -1,9 +1,10 @@
 """Set up a virtual environment with one version of an integration's framework, for `bash dev.sh compat`.
 
-    python requirements/compat.py VENV lightning oldest|newest
-    python requirements/compat.py VENV fastai oldest|newest
+    python requirements/compat.py VENV lightning oldest|newest|VERSION
+    python requirements/compat.py VENV fastai oldest|newest|VERSION
 
-"oldest" is the lower bound pyproject.toml's extra allows; "newest" the newest the package index has. The
+"oldest" is the lower bound pyproject.toml's extra allows; "newest" the newest the package index has; a version
+number, that version (to find the oldest that passes). The
 environment gets the CPU torch build, the test tools, ranksafe (editable, no extras) and the framework at that
 version with its own requirements, except torchvision (its only build here is for CUDA, and it breaks `import
 lightning` on CPU torch): fastai is installed without its dependencies, then with the ones its metadata lists.
@@ -24,7 +25,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TORCH = "torch==2.13.0+cpu"
 # setuptools: older lightning releases import pkg_resources (gone from setuptools 81 on) without requiring it
-TEST_TOOLS = ["pytest>=8", "pytest-timeout>=2.3", "cloudpickle", "setuptools<81"]
+TEST_TOOLS = [
+    "pytest>=8",
+    "pytest-timeout>=2.3",
+    "cloudpickle",
+    "setuptools<81",
+    "s3fs",
+    "moto[s3]>=5",
+    "flask",
+    "flask-cors",
+]
 
 
 def lower_bound(package: str) -> str:
@@ -60,7 +70,8 @@ def main(venv: str, package: str, which: str) -> None:
     python = venv_path / "bin" / "python"
     if not python.exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv_path)], check=True)
-    spec = f"{package}=={lower_bound(package)}" if which == "oldest" else package
+    version = lower_bound(package) if which == "oldest" else None if which == "newest" else which
+    spec = package if version is None else f"{package}=={version}"
     pip(python, TORCH)
     pip(python, "--no-warn-conflicts", *TEST_TOOLS, "-e", str(ROOT), TORCH.split("+")[0])
     if package == "fastai":
