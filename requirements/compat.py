@@ -18,7 +18,6 @@ import re
 import subprocess
 import sys
 import tempfile
-import tomllib
 import zipfile
 from pathlib import Path
 
@@ -38,12 +37,11 @@ TEST_TOOLS = [
 
 
 def lower_bound(package: str) -> str:
-    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    for spec in extras[package]:
-        m = re.fullmatch(rf"{package}\s*>=\s*([\w.]+)", spec)
-        if m:
-            return m.group(1)
-    raise SystemExit(f"pyproject.toml gives {package} no lower bound (>=)")
+    """The ``>=`` bound of ``package`` in pyproject.toml's optional dependencies."""
+    m = re.search(rf'"{package}\s*>=\s*([\w.]+)"', (ROOT / "pyproject.toml").read_text())
+    if m is None:
+        raise SystemExit(f"pyproject.toml gives {package} no lower bound (>=)")
+    return m.group(1)
 
 
 def pip(python: Path, *args: str) -> None:
