@@ -23,6 +23,7 @@ state is snapshotted, and a background failure is raised on every rank by the ne
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import shutil
@@ -32,7 +33,7 @@ from typing import Any
 
 from . import remote, topology
 from .async_save import AsyncSaver
-from .collectives import broadcast, exchange_outcome, share_outcome, together
+from .collectives import broadcast, default_timeout, exchange_outcome, share_outcome, together
 from .commit import (
     MANIFEST,
     AtomicDir,
@@ -51,13 +52,22 @@ from .commit import (
     step_commit,
     verify_step,
 )
-from .errors import BarrierTimeout, CollectiveMismatch, CorruptCheckpoint
+from .errors import BarrierTimeout, CollectiveMismatch, CorruptCheckpoint, RankFailure
 from .files import ChecksummingWriter, load_file, local_path, probe_write, save_with_footer
 from .lock import StateDictLock
 from .remote import Remote
 from .retention import BestMode, Retention
 from .saving import error_naming_target
-from .sharded import refuse_sharded
+from .sharded import (
+    WriteGate,
+    background_group,
+    for_dcp,
+    read_shards,
+    refuse_sharded,
+    require_shared,
+    verify_shares,
+    write_shards,
+)
 from .storage import Placement, Storage, placement
 
 __all__ = [
@@ -217,6 +227,9 @@ class CheckpointManager:
         is not the same for every rank (``memory://`` lives in one process); with ``async_save``, also allocate
         the staging buffers for ``example_state``. Collective."""
         where, probe = self.placement, None
+        shards = None if example_state is None else for_dcp(example_state)
+        if shards is not None:  # sharded state: refused now on storage that cannot hold it; every rank stages
+            require_shared(where, self.root)
         with together(f"checkpoint {self.root}: warmup", self.timeout):
             if where.writer:
                 try:
@@ -227,8 +240,8 @@ class CheckpointManager:
                             f.write(b"probe")
                 except OSError as e:
                     raise error_naming_target(e, "cannot write checkpoints to", self.root) from e
-                if self._saver is not None and example_state is not None:
-                    self._saver.staging.capture(example_state)
+            if self._saver is not None and example_state is not None and (where.writer or shards is not None):
+                self._saver.staging.capture(example_state if shards is None else shards)
         if isinstance(self._base, Remote):
             name = broadcast(None if probe is None else probe.name, name="checkpoint warmup: probe")
             with together(f"checkpoint {self.root}: warmup, seen by every rank", self.timeout):
@@ -244,7 +257,12 @@ class CheckpointManager:
 
     @contextlib.contextmanager
     def saving(
-        self, step: int, writer_files: Mapping[str, Any] | None = None, metrics: Mapping[str, float] | None = None
+        self,
+        step: int,
+        writer_files: Mapping[str, Any] | None = None,
+        metrics: Mapping[str, float] | None = None,
+        *,
+        shards: dict[str, Any] | None = None,
     ) -> Iterator[StepWriter]:
         """Open step ``step`` for writing on every rank; commit it when every rank's block is done.
 
@@ -261,14 +279,21 @@ class CheckpointManager:
         ``metrics`` (name -> number) go into the step's manifest, and rank 0's are taken on every node (they travel
         in the exchange that follows the block): with a ``best_metric`` they rank the steps for retention, and every
         node keeps the same steps.
+
+        ``shards``: state holding ``DTensor`` objects, which every rank writes its part of with
+        ``torch.distributed.checkpoint`` (:mod:`ranksafe.sharded`) once every rank's block is done, before the
+        commit (with ``async_save``: every rank snapshots it at the end of its block, and writes it in the
+        background). The root must be shared by every rank.
         """
         writer_files = dict(writer_files or {})
         for name in writer_files:
             check_name(name, "file name")
         metrics = {k: float(v) for k, v in (metrics or {}).items()}
         where = self.placement
+        if shards is not None:
+            require_shared(where, self.root)  # the placement is agreed: every rank raises alike
         if self._saver is not None:
-            if where.writer:
+            if where.writer or shards is not None:  # sharded: every rank writes, so every rank waits
                 self._saver.wait()  # create() removes temporaries: the commit in flight must be done first
             self.check()  # a failed background commit stops every rank here, not a step later
         commit = step_commit(self._place(step))
@@ -278,9 +303,15 @@ class CheckpointManager:
                 self._clean_debris()
                 commit.create()
         tx = StepWriter(commit, step)
+        gate = WriteGate() if shards is not None and self._saver is not None else None
+        group = None if gate is None else background_group(self.timeout or default_timeout())  # every rank
         exc: BaseException | None = None
         try:
             yield tx
+            if gate is not None:  # sharded, async: every rank snapshots its part; its write waits for the exchange
+                job = functools.partial(self._commit_shards, commit, tx, where.writer, group, gate)
+                if not self._saver.submit((shards, writer_files if where.writer else {}), job):
+                    raise self._saver.take_error() or RuntimeError(f"checkpoint {step}: no snapshot of the shards")
         except BaseException as e:
             exc = e
         try:
@@ -289,6 +320,8 @@ class CheckpointManager:
                 what=f"checkpoint {step}: write",
             )  # fmt: skip
         except BaseException:
+            if gate is not None:
+                gate.settle(go=False)
             if where.writer:
                 commit.abort()
             raise
@@ -296,7 +329,16 @@ class CheckpointManager:
             if where.group is None or node in where.group:
                 tx.entries.update(entries)
         tx.metrics = posted[0][2]  # rank 0's, on every node
-        if self._saver is None:
+        if gate is not None:
+            gate.settle(go=True)  # every rank has its snapshot: the shards are written, then the writer commits
+        elif self._saver is None:
+            if shards is not None:  # sharded: every rank writes its part (a failure is shared by DCP)
+                try:
+                    tx.entries.update(write_shards(shards, tx.path, f"checkpoint {step}: shards"))
+                except BaseException:
+                    if where.writer:
+                        commit.abort()
+                    raise
             with together(f"checkpoint {step}: commit", self.timeout):
                 if where.writer:
                     self._commit(commit, tx, writer_files)
@@ -325,6 +367,31 @@ class CheckpointManager:
             raise
         return name_of(commit.final)
 
+    def _commit_shards(
+        self, commit: DirCommit, tx: StepWriter, writer: bool, group: Any, gate: WriteGate, snapshot: tuple
+    ) -> str | None:
+        """Background, every rank: once ``gate`` says every rank's snapshot is taken, write this rank's shards
+        (DCP's collectives on ``group``), then the writer commits the step and applies retention. Returns the
+        step's directory on the writer."""
+        if not gate.wait():  # a rank failed before the write: every rank gave the step up
+            return None
+        shards, writer_files = snapshot
+        try:
+            tx.entries.update(write_shards(shards, tx.path, f"checkpoint {tx.step}: shards", group))
+        except BaseException as e:
+            if writer:
+                commit.abort()
+            if not isinstance(e, RankFailure):
+                raise
+            if topology.rank() in e.ranks:  # DCP's failure is on every rank: each failed rank reports its own
+                raise (e.__cause__ or e) from None  # check() or poll() raises it on every rank
+            return None
+        if not writer:
+            return None
+        committed = self._commit(commit, tx, writer_files)
+        self._retain(newest=tx.step)
+        return committed
+
     def save(
         self,
         step: int,
@@ -339,13 +406,20 @@ class CheckpointManager:
         instead) and ``extra_files`` (name -> bytes, str, or an object for ``torch.save``). For per-rank
         side files use :meth:`saving`.
 
+        A ``state`` holding ``DTensor`` objects (FSDP2, tensor parallelism; a dict of the state dicts
+        ``torch.distributed.checkpoint.state_dict.get_state_dict`` returns, or of ``Stateful`` objects) is saved
+        with ``torch.distributed.checkpoint`` instead: every rank writes its own shards, plain tensors and other
+        values go with them, and :meth:`load` with ``into=`` reads it back at any world size. The root must be
+        shared by every rank.
+
         With ``async_save`` it returns once ``state`` and ``extra_files`` are snapshotted: the directory it
         returns is committed later, in the background (:meth:`wait`). Shards and side files are written
         before it returns (every rank's files must be in before the writer commits). ``metrics``: see
         :meth:`saving`.
         """
-        files = {**({} if sharded else {STATE: state}), **(extra_files or {})}
-        with self.saving(step, files, metrics) as tx:
+        shards = None if sharded else for_dcp(state)  # DTensors: every rank writes its part (ranksafe.sharded)
+        files = {**({} if sharded or shards is not None else {STATE: state}), **(extra_files or {})}
+        with self.saving(step, files, metrics, shards=shards) as tx:
             if sharded:
                 tx.save(state, _shard(topology.rank()))
         return self.step_dir(step)
@@ -437,14 +511,25 @@ class CheckpointManager:
         map_location: Any = "cpu",
         weights_only: bool | None = True,
         sharded: bool = False,
+        *,
+        into: dict[str, Any] | None = None,
     ) -> Any:
         """Load step ``step`` (default: :meth:`latest`) on every rank after verifying it; collective.
 
         The writer(s) check every file against the manifest first. A corrupt step raises
         :class:`CorruptCheckpoint` on every rank, naming the file, unless ``fallback`` is set (and ``step``
         is not): then the previous good step loads, with a warning. :attr:`loaded_step` says which step.
+
+        ``into``: a step saved with sharded state loads in place into this state, which is returned (its
+        ``DTensor`` objects get this rank's part, resharded to their current mesh and placements; ``Stateful``
+        values get their state): build it as for saving, from the model and optimizer of this job, at any
+        world size. Every rank checks its share of the step's files first.
         """
+        if into is not None and not isinstance(into, Mapping):
+            raise TypeError(f"into must be a dict of state to load into, not {type(into).__name__}")
         common = self._common()
+        if into is not None:
+            require_shared(self.placement, self.root)
         if step is not None:
             if _check_step(step) not in common:
                 raise FileNotFoundError(f"step {step} is not committed on every node under {self.root}")
@@ -456,7 +541,7 @@ class CheckpointManager:
         self._loading.update(candidates)  # retention must not delete what is being read
         try:
             for s in candidates:
-                bad = self._verify(s)
+                bad = self._verify(s, split=into is not None)
                 if bad is None:
                     break
                 if s == candidates[-1]:
@@ -464,9 +549,12 @@ class CheckpointManager:
                 previous = candidates[candidates.index(s) + 1]
                 warnings.warn(f"{bad}; falling back to step {previous}", RuntimeWarning, stacklevel=2)
             result = None
-            with together(f"checkpoint {s}: load", self.timeout):
-                path = join(self._place(s), _shard(topology.rank()) if sharded else STATE)
-                result = load_file(name_of(path), map_location, weights_only, storage_options=self.storage_options)
+            if into is not None:  # sharded: every rank reads its part in place (a failure is shared by DCP)
+                result = read_shards(into, name_of(self._place(s)), f"checkpoint {s}: load", weights_only)
+            else:
+                with together(f"checkpoint {s}: load", self.timeout):
+                    path = join(self._place(s), _shard(topology.rank()) if sharded else STATE)
+                    result = load_file(name_of(path), map_location, weights_only, storage_options=self.storage_options)
         finally:
             self._loading.difference_update(candidates)
         self.loaded_step = s
@@ -517,12 +605,16 @@ class CheckpointManager:
         else:
             share_outcome("checkpoint: close", None, self.timeout)
 
-    def _verify(self, step: int) -> BaseException | None:
-        """The agreed verdict of the writers' deep check of ``step``: None, or the error to raise everywhere."""
+    def _verify(self, step: int, split: bool = False) -> BaseException | None:
+        """The agreed verdict of the writers' deep check of ``step`` (``split``: every rank checks its share of
+        the files of a sharded step): None, or the error to raise everywhere."""
         exc = None
-        if self.placement.writer:
+        if split or self.placement.writer:
             try:
-                verify_step(self._place(step))
+                if split:
+                    verify_shares(self._place(step))
+                else:
+                    verify_step(self._place(step))
             except Exception as e:  # whatever the writer met, every rank must hear of it in the exchange below
                 exc = e
         try:
