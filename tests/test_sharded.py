@@ -358,9 +358,8 @@ class _Unsafe:
 def test_a_sharded_load_refuses_pickled_objects_unless_trusted(tmp_path):
     write_shards({"w": torch.ones(2), "obj": _Unsafe()}, str(tmp_path), "test")
     into = {"w": torch.zeros(2), "obj": None}
-    with pytest.raises(ranksafe.RankFailure, match=r"weights_only loading refuses") as caught:
-        read_shards(into, str(tmp_path), "test")
-    assert isinstance(caught.value, ranksafe.errors.UntrustedCheckpoint)
+    with pytest.raises(ranksafe.errors.UntrustedCheckpoint, match=r"weights_only loading refuses \(obj: .*_Unsafe"):
+        read_shards(into, str(tmp_path), "test")  # in one process, the error itself
     assert isinstance(read_shards(into, str(tmp_path), "test", weights_only=False)["obj"], _Unsafe)
     assert torch.equal(into["w"], torch.ones(2))
 

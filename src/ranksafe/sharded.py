@@ -37,7 +37,7 @@ from torch.futures import Future
 
 from . import remote, topology
 from .commit import Entry, Place, verify_step
-from .errors import Failure, RankFailure, UntrustedCheckpoint, rank_failure
+from .errors import Failure, UntrustedCheckpoint, rank_failure
 from .files import ChecksummingWriter
 from .remote import Remote
 from .storage import Placement
@@ -205,10 +205,18 @@ class StepShardWriter(dcp.FileSystemWriter):
         self.entries.update(self.fs.written)  # .metadata
 
 
-def _shared_failure(what: str, e: dcp.CheckpointException) -> RankFailure:
-    """DCP's failure, which every rank got from DCP's own collectives, as the same error on every rank."""
-    failures = [Failure.from_exception(rank, error) for rank, (error, _) in sorted(e.failures.items())]
-    return rank_failure(what, failures)
+@contextlib.contextmanager
+def _failures_shared_by_dcp(what: str) -> Iterator[None]:
+    """DCP's failure, which every rank got from DCP's own collectives, as the same :class:`~ranksafe.RankFailure`
+    on every rank (the failing rank chains its own error); in a single process, the error itself."""
+    try:
+        yield
+    except dcp.CheckpointException as e:
+        own = e.failures.get(topology.rank())
+        if own is not None and topology.world_size() == 1:
+            raise own[0] from None
+        failures = [Failure.from_exception(rank, error) for rank, (error, _) in sorted(e.failures.items())]
+        raise rank_failure(what, failures) from (own[0] if own else None)
 
 
 def _no_dist() -> bool:
@@ -227,11 +235,8 @@ def write_shards(
     at worst: DCP's collectives are the backend's.
     """
     writer = StepShardWriter(directory)
-    try:
+    with _failures_shared_by_dcp(what):
         dcp.save(state, storage_writer=writer, process_group=group, no_dist=_no_dist())
-    except dcp.CheckpointException as e:
-        own = e.failures.get(topology.rank())
-        raise _shared_failure(what, e) from (own[0] if own else None)
     return writer.entries
 
 
@@ -296,9 +301,11 @@ class _WeightsOnlyPlanner(dcp.DefaultLoadPlanner):
     def load_bytes(self, read_item: Any, value: Any) -> None:
         try:
             torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as e:
-            reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-            raise UntrustedCheckpoint(self.directory, f"{read_item.dest_index.fqn}: {reason}") from None
+        except pickle.UnpicklingError as e:  # torch's page of advice: the line naming the refused object matters
+            lines = str(e).splitlines() or [type(e).__name__]
+            why = next((line.strip() for line in lines if "WeightsUnpickler error" in line), lines[-1])
+            reason = f"{read_item.dest_index.fqn}: {why.split('. Please use')[0]}"
+            raise UntrustedCheckpoint(self.directory, reason) from None
         value.seek(0)
         super().load_bytes(read_item, value)
 
@@ -309,9 +316,6 @@ def read_shards(into: dict[str, Any], directory: str, what: str, weights_only: b
 
     A failure on any rank raises the same :class:`~ranksafe.RankFailure` on every rank, as :func:`write_shards`."""
     planner = _WeightsOnlyPlanner(directory) if weights_only is not False else None
-    try:
+    with _failures_shared_by_dcp(what):
         dcp.load(into, storage_reader=dcp.FileSystemReader(directory), planner=planner, no_dist=_no_dist())
-    except dcp.CheckpointException as e:
-        own = e.failures.get(topology.rank())
-        raise _shared_failure(what, e) from (own[0] if own else None)
     return into
