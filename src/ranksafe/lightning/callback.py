@@ -283,14 +283,15 @@ class RankSafe(Callback):
         if self.manager is None or (trainer.current_epoch + 1) % self.every_n_epochs:
             return
         checkpoint = compat.checkpoint_connector(trainer).dump_checkpoint(weights_only=False)
-        if for_dcp(checkpoint) is None:
+        sharded = for_dcp(checkpoint)
+        if sharded is None:
             self.manager.save(trainer.global_step, checkpoint)
             return
         # sharded (ModelParallelStrategy): the weights and optimizer states through DCP, every rank its part, and
         # the rest in one file, as Lightning lays out its own sharded checkpoints
-        shards = {"state_dict": checkpoint.pop("state_dict")}
-        shards.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-        self.manager.save(trainer.global_step, shards, extra_files={compat.SHARDED_METADATA: checkpoint})
+        shards = {"state_dict": sharded.pop("state_dict")}
+        shards.update({f"optimizer_{i}": s for i, s in enumerate(sharded.pop("optimizer_states", []))})
+        self.manager.save(trainer.global_step, shards, extra_files={compat.SHARDED_METADATA: sharded})
 
     # -- what the wrapped methods run (``original`` is the method they replace) ------------------------
     def _together(self, name: str, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -335,13 +336,9 @@ class RankSafe(Callback):
         for i, opt in enumerate(optimizers):
             set_optimizer_state_dict(model, opt, into[f"optimizer_{i}"])
         rest = os.path.join(self.manager.step_dir(step), compat.SHARDED_METADATA)  # type: ignore[union-attr]
-        with (
-            together("Trainer.load_checkpoint: the rest of the step", self.timeout)
-            if _shared()
-            else contextlib.nullcontext()
-        ):
-            checkpoint = load_file(rest, weights_only=weights_only)
-        return checkpoint
+        if not _shared():
+            return load_file(rest, weights_only=weights_only)
+        return self._together("Trainer.load_checkpoint: the rest", load_file, rest, weights_only=weights_only)
 
     def _resume_start(
         self, trainer: pl.Trainer, original: Callable[..., Any], checkpoint_path: Any = None, weights_only: Any = None
