@@ -23,7 +23,6 @@ state is snapshotted, and a background failure is raised on every rank by the ne
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import re
 import shutil
@@ -52,22 +51,13 @@ from .commit import (
     step_commit,
     verify_step,
 )
-from .errors import BarrierTimeout, CollectiveMismatch, CorruptCheckpoint, RankFailure
+from .errors import BarrierTimeout, CollectiveMismatch, CorruptCheckpoint
 from .files import ChecksummingWriter, load_file, local_path, probe_write, save_with_footer
 from .lock import StateDictLock
 from .remote import Remote
 from .retention import BestMode, Retention
 from .saving import error_naming_target
-from .sharded import (
-    WriteGate,
-    background_group,
-    for_dcp,
-    read_shards,
-    refuse_sharded,
-    require_shared,
-    verify_shares,
-    write_shards,
-)
+from .sharded import StepShards, for_dcp, read_shards, refuse_sharded, require_shared, verify_shares
 from .storage import Placement, Storage, placement
 
 __all__ = [
@@ -303,15 +293,12 @@ class CheckpointManager:
                 self._clean_debris()
                 commit.create()
         tx = StepWriter(commit, step)
-        gate = WriteGate() if shards is not None and self._saver is not None else None
-        group = None if gate is None else background_group(self.timeout or default_timeout())  # every rank
+        part = None if shards is None else self._shards(shards, commit, tx, where.writer)  # every rank
         exc: BaseException | None = None
         try:
             yield tx
-            if gate is not None:  # sharded, async: every rank snapshots its part; its write waits for the exchange
-                job = functools.partial(self._commit_shards, commit, tx, where.writer, group, gate)
-                if not self._saver.submit((shards, writer_files if where.writer else {}), job):
-                    raise self._saver.take_error() or RuntimeError(f"checkpoint {step}: no snapshot of the shards")
+            if part is not None:  # sharded: with async_save, every rank snapshots its part now
+                part.after_block(writer_files)
         except BaseException as e:
             exc = e
         try:
@@ -320,8 +307,8 @@ class CheckpointManager:
                 what=f"checkpoint {step}: write",
             )  # fmt: skip
         except BaseException:
-            if gate is not None:
-                gate.settle(go=False)
+            if part is not None:
+                part.given_up()
             if where.writer:
                 commit.abort()
             raise
@@ -329,21 +316,14 @@ class CheckpointManager:
             if where.group is None or node in where.group:
                 tx.entries.update(entries)
         tx.metrics = posted[0][2]  # rank 0's, on every node
-        if gate is not None:
-            gate.settle(go=True)  # every rank has its snapshot: the shards are written, then the writer commits
-        elif self._saver is None:
-            if shards is not None:  # sharded: every rank writes its part (a failure is shared by DCP)
-                try:
-                    tx.entries.update(write_shards(shards, tx.path, f"checkpoint {step}: shards"))
-                except BaseException:
-                    if where.writer:
-                        commit.abort()
-                    raise
+        if part is not None:
+            part.agreed()  # every rank writes its part now, or in the background (then the writer commits there)
+        if self._saver is None:
             with together(f"checkpoint {step}: commit", self.timeout):
                 if where.writer:
                     self._commit(commit, tx, writer_files)
                     self._retain(newest=step)
-        elif where.writer:  # the snapshot of writer_files is taken now; a failure is reported by check()
+        elif where.writer and part is None:  # the snapshot of writer_files is taken now; check() reports a failure
             self._saver.submit(
                 writer_files, lambda snapshot: self._commit(commit, tx, snapshot), lambda _: self._retain(newest=step)
             )
@@ -367,30 +347,19 @@ class CheckpointManager:
             raise
         return name_of(commit.final)
 
-    def _commit_shards(
-        self, commit: DirCommit, tx: StepWriter, writer: bool, group: Any, gate: WriteGate, snapshot: tuple
-    ) -> str | None:
-        """Background, every rank: once ``gate`` says every rank's snapshot is taken, write this rank's shards
-        (DCP's collectives on ``group``), then the writer commits the step and applies retention. Returns the
-        step's directory on the writer."""
-        if not gate.wait():  # a rank failed before the write: every rank gave the step up
-            return None
-        shards, writer_files = snapshot
-        try:
-            tx.entries.update(write_shards(shards, tx.path, f"checkpoint {tx.step}: shards", group))
-        except BaseException as e:
-            if writer:
-                commit.abort()
-            if not isinstance(e, RankFailure):
-                raise
-            if topology.rank() in e.ranks:  # DCP's failure is on every rank: each failed rank reports its own
-                raise (e.__cause__ or e) from None  # check() or poll() raises it on every rank
-            return None
-        if not writer:
-            return None
-        committed = self._commit(commit, tx, writer_files)
-        self._retain(newest=tx.step)
-        return committed
+    def _shards(self, shards: dict[str, Any], commit: DirCommit, tx: StepWriter, writer: bool) -> StepShards:
+        """The sharded part of step ``tx.step`` (:class:`~ranksafe.sharded.StepShards`); with ``async_save`` the
+        writer commits and applies retention on the saver's thread once every rank's part is written."""
+
+        def commit_in_background(writer_files: Mapping[str, Any]) -> str:
+            committed = self._commit(commit, tx, writer_files)
+            self._retain(newest=tx.step)
+            return committed
+
+        timeout = self.timeout or default_timeout()
+        return StepShards(
+            shards, tx.path, tx.step, tx.entries, writer, commit.abort, self._saver, commit_in_background, timeout
+        )
 
     def save(
         self,

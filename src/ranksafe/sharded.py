@@ -9,6 +9,8 @@ tensors). :class:`~ranksafe.CheckpointManager` saves it with DCP's own file form
 * every rank writes its shards with DCP's ``FileSystemWriter`` into the step's temporary directory, each file
   counted and CRC'd on its way to disk; DCP gathers every rank's write results to its coordinator (rank 0, the
   step's writer), and with them each rank's files (:class:`StepShardWriter`), so the manifest covers them all;
+* no rank enters DCP's collectives before every rank said, in the step's "written" exchange, that it can (its
+  block done, its snapshot taken): :class:`StepShards`, the sharded part of a step's save;
 * a failure on any rank is shared by DCP's own collectives: every rank raises the same
   :class:`~ranksafe.RankFailure`, naming the rank and its error (:func:`write_shards`, :func:`read_shards`);
 * loading verifies the step with the work split among the ranks (:func:`verify_shares`), then reads in place with
@@ -24,9 +26,9 @@ import contextlib
 import os
 import pickle
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -37,10 +39,13 @@ from torch.futures import Future
 
 from . import remote, topology
 from .commit import Entry, Place, verify_step
-from .errors import Failure, UntrustedCheckpoint, rank_failure
+from .errors import Failure, RankFailure, UntrustedCheckpoint, rank_failure
 from .files import ChecksummingWriter
 from .remote import Remote
 from .storage import Placement
+
+if TYPE_CHECKING:  # async_save imports this module
+    from .async_save import AsyncSaver
 
 try:  # DTensor exists wherever torch.distributed is built in; keep the module importable without it
     from torch.distributed.tensor import DTensor
@@ -240,7 +245,7 @@ def write_shards(
     return writer.entries
 
 
-class WriteGate:
+class _WriteGate:
     """What a background write of shards waits for: the exchange that tells whether every rank took its snapshot.
     A rank must not enter DCP's collectives alone: the others would wait there for the group's timeout."""
 
@@ -272,6 +277,76 @@ def background_group(timeout: float) -> dist.ProcessGroup | None:
     if key not in _background:
         _background[key] = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
     return _background[key]
+
+
+class StepShards:
+    """The sharded part of one step's save, where :meth:`CheckpointManager.saving` calls it, on every rank:
+
+    * :meth:`after_block`: with a background saver, this rank snapshots its part now, and its write waits for the
+      exchange that follows (a snapshot that fails is this rank's failure there);
+    * :meth:`agreed`, once that exchange agreed: the part is written now, or its background write goes ahead (then
+      the writer commits: ``commit(writer_files)``);
+    * :meth:`given_up`, when the exchange failed: the background write never starts.
+
+    Made by every rank at an agreed point: with a background saver it may make the background group (a collective).
+    ``entries`` (the step's file entries) gets the files written; ``abort`` removes the step's temporary (writer).
+    """
+
+    def __init__(
+        self,
+        state: dict[str, Any],
+        directory: str,
+        step: int,
+        entries: dict[str, Entry],
+        writer: bool,
+        abort: Callable[[], None],
+        saver: AsyncSaver | None,
+        commit: Callable[[Mapping[str, Any]], Any],
+        timeout: float,
+    ):
+        self.state, self.directory, self.step, self.entries, self.writer = state, directory, step, entries, writer
+        self._abort, self._saver, self._commit = abort, saver, commit
+        self._gate = _WriteGate()
+        self._group = None if saver is None else background_group(timeout)
+        self._what = f"checkpoint {step}: shards"
+
+    def after_block(self, writer_files: Mapping[str, Any]) -> None:
+        snapshot = (self.state, writer_files if self.writer else {})
+        if self._saver is not None and not self._saver.submit(snapshot, self._background):
+            raise self._saver.take_error() or RuntimeError(f"{self._what}: no snapshot")
+
+    def given_up(self) -> None:
+        self._gate.settle(go=False)
+
+    def agreed(self) -> None:
+        if self._saver is not None:
+            self._gate.settle(go=True)
+            return
+        try:  # a failure on any rank is the same RankFailure on every rank (DCP shares it)
+            self.entries.update(write_shards(self.state, self.directory, self._what))
+        except BaseException:
+            if self.writer:
+                self._abort()
+            raise
+
+    def _background(self, snapshot: tuple[dict[str, Any], Mapping[str, Any]]) -> Any:
+        """The writer thread, every rank: write this rank's part once every rank has its snapshot, then the writer
+        commits. A failure of DCP's is reported by the ranks that failed (``check()`` or ``poll()`` raises it on
+        every rank)."""
+        if not self._gate.wait():  # a rank failed before the write: every rank gave the step up
+            return None
+        state, writer_files = snapshot
+        try:
+            self.entries.update(write_shards(state, self.directory, self._what, self._group))
+        except BaseException as e:
+            if self.writer:
+                self._abort()
+            if not isinstance(e, RankFailure):
+                raise
+            if topology.rank() in e.ranks:
+                raise (e.__cause__ or e) from None
+            return None
+        return self._commit(writer_files) if self.writer else None
 
 
 # -- loading ------------------------------------------------------------------------------------------------
