@@ -26,6 +26,15 @@ LABELS: dict[tuple[str, str], str] = {
     ("async_save_large", "ranksafe"): "ranksafe AsyncSaver",
     ("fastai_fit", "stock"): "stock fastai",
     ("fastai_fit", "ranksafe"): "fastai + RankSafe()",
+    **{
+        (f"sharded_{kind}_{world}", method): label
+        for world in (2, 4)
+        for kind, methods in (
+            ("sync", {"dcp": "torch.distributed.checkpoint.save", "ranksafe": "ranksafe CheckpointManager.save"}),
+            ("async", {"dcp": "torch.distributed.checkpoint.async_save", "ranksafe": "ranksafe, async_save=True"}),
+        )
+        for method, label in methods.items()
+    },
 }
 
 BENCHMARKS: dict[str, str] = {
@@ -34,9 +43,14 @@ BENCHMARKS: dict[str, str] = {
     "async_save": "async save, time blocked, 1,000 small tensors + large ones",
     "async_save_large": "async save, time blocked, large tensors only",
     "fastai_fit": "fastai DDP fit, 2 ranks, time per epoch",
+    "sharded_sync_2": "sharded save (DTensors), 2 ranks, slowest rank's time",
+    "sharded_async_2": "sharded async save, 2 ranks, time blocked",
+    "sharded_sync_4": "sharded save (DTensors), 4 ranks, slowest rank's time",
+    "sharded_async_4": "sharded async save, 4 ranks, time blocked",
 }
-# the scripts that measure them (each in its own process); async_save measures both of its kinds of state
-SCRIPTS = ("lightning_io", "save_path", "async_save", "fastai_fit")
+# the scripts that measure them (each in its own process); async_save measures both of its kinds of state, sharded
+# its four
+SCRIPTS = ("lightning_io", "save_path", "async_save", "fastai_fit", "sharded")
 
 
 @dataclass(frozen=True)
@@ -76,6 +90,8 @@ TARGETS: dict[tuple[str, str], Target] = {
     ("async_save_large", "ranksafe"): Target(median=1.15, max=2.0),
     # two collectives per epoch and one all-reduced float per batch must not show in a fit's time
     ("fastai_fit", "ranksafe"): Target(median=1.05),
+    # the manifest and three exchanges must not show next to DCP's own write, nor the snapshot next to DCP's stager
+    **{(f"sharded_{kind}_{world}", "ranksafe"): Target(median=1.05) for kind in ("sync", "async") for world in (2, 4)},
 }
 
 HEADER = (

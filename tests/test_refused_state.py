@@ -1,5 +1,6 @@
 """Two inputs that used to "succeed" somewhere else than asked: a URL written as a local folder, and a sharded
-DTensor saved as one rank's shard. Both are now a clear error on every rank, before anything is written."""
+DTensor saved as one rank's shard. Both are now a clear error on every rank, before anything is written, except
+where a sharded DTensor can be saved whole: a CheckpointManager step, where every rank writes its shards."""
 
 from __future__ import annotations
 
@@ -97,6 +98,7 @@ def _sharded(rank, root):
     manager = ranksafe.CheckpointManager(os.path.join(root, "ckpt"))
     for name, call in (
         ("manager", lambda: manager.save(1, {"model": {"w": w}, "epoch": 3})),
+        ("extra file", lambda: manager.save(2, {"epoch": 3}, extra_files={"w.pt": {"w": w}})),
         ("save", lambda: ranksafe.save({"w": w}, os.path.join(root, "model.pt"))),
         ("async", lambda: ranksafe.AsyncSaver().save({"w": w}, os.path.join(root, "async.pt"))),
     ):
@@ -106,6 +108,10 @@ def _sharded(rank, root):
         except ValueError as e:  # RankFailure[ValueError] for the collectives, ValueError for the local call
             out[name] = f"{type(e).__name__}: {e}"
     out["latest"] = manager.latest()
+    into = {"model": {"w": distribute_tensor(torch.zeros(8, 4), mesh, [Shard(0)])}, "epoch": 0}
+    manager.load(into=into)
+    out["loaded"] = (into["model"]["w"].full_tensor().tolist(), into["epoch"])
+    out["full"] = full.tolist()
     # per-rank shards stay possible: every rank writes its own
     manager.save(2, {"w": w}, sharded=True)
     out["own shard"] = manager.load(2, sharded=True, weights_only=False)["w"].to_local().tolist()
@@ -113,14 +119,15 @@ def _sharded(rank, root):
     return out
 
 
-def test_a_sharded_dtensor_is_refused_on_every_rank_not_saved_as_one_shard(tmp_path):
+def test_a_sharded_dtensor_is_saved_whole_by_a_manager_and_refused_by_one_writer_on_every_rank(tmp_path):
     values = run_ranks(_sharded, 4, args=(str(tmp_path),), timeout=120).values
     for rank, out in enumerate(values):
         assert out["naive rows"] == 2, "the control must show one rank's shard only: 2 of 8 rows"
-        for name in ("manager", "save", "async"):
+        assert out["manager"] == "saved" and out["latest"] == 1  # every rank wrote its shards
+        assert out["loaded"] == (out["full"], 3)
+        for name in ("extra file", "save", "async"):  # what one writer writes whole is refused
             said = out[name]
             assert "sharded DTensors ('" in said and "Shard(dim=0)" in said, (rank, name, said)
-        assert "RankFailure[ValueError]" in out["manager"] and "ranks 0, 1, 2, 3" in out["manager"]
-        assert out["latest"] is None, "no step may be committed"
+        assert "RankFailure[ValueError]" in out["extra file"] and "ranks 0, 1, 2, 3" in out["extra file"]
         assert out["own shard"] == out["expected shard"]
     assert not os.path.exists(tmp_path / "model.pt") and not os.path.exists(tmp_path / "async.pt")

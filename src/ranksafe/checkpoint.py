@@ -32,7 +32,7 @@ from typing import Any
 
 from . import remote, topology
 from .async_save import AsyncSaver
-from .collectives import broadcast, exchange_outcome, share_outcome, together
+from .collectives import broadcast, default_timeout, exchange_outcome, share_outcome, together
 from .commit import (
     MANIFEST,
     AtomicDir,
@@ -58,7 +58,7 @@ from .remote import Remote
 from .retention import BestMode, Retention
 from .saving import error_naming_target
 from .schedule import SaveSchedule
-from .sharded import refuse_sharded
+from .sharded import StepShards, for_dcp, read_shards, refuse_sharded, require_shared, verify_shares
 from .storage import Placement, Storage, placement
 
 __all__ = [
@@ -243,6 +243,9 @@ class CheckpointManager:
         is not the same for every rank (``memory://`` lives in one process); with ``async_save``, also allocate
         the staging buffers for ``example_state``. Collective."""
         where, probe = self.placement, None
+        shards = None if example_state is None else for_dcp(example_state)
+        if shards is not None:  # sharded state: refused now on storage that cannot hold it; every rank stages
+            require_shared(where, self.root)
         with together(f"checkpoint {self.root}: warmup", self.timeout):
             if where.writer:
                 try:
@@ -253,8 +256,8 @@ class CheckpointManager:
                             f.write(b"probe")
                 except OSError as e:
                     raise error_naming_target(e, "cannot write checkpoints to", self.root) from e
-                if self._saver is not None and example_state is not None:
-                    self._saver.staging.capture(example_state)
+            if self._saver is not None and example_state is not None and (where.writer or shards is not None):
+                self._saver.staging.capture(example_state if shards is None else shards)
         if isinstance(self._base, Remote):
             name = broadcast(None if probe is None else probe.name, name="checkpoint warmup: probe")
             with together(f"checkpoint {self.root}: warmup, seen by every rank", self.timeout):
@@ -270,7 +273,12 @@ class CheckpointManager:
 
     @contextlib.contextmanager
     def saving(
-        self, step: int, writer_files: Mapping[str, Any] | None = None, metrics: Mapping[str, float] | None = None
+        self,
+        step: int,
+        writer_files: Mapping[str, Any] | None = None,
+        metrics: Mapping[str, float] | None = None,
+        *,
+        shards: dict[str, Any] | None = None,
     ) -> Iterator[StepWriter]:
         """Open step ``step`` for writing on every rank; commit it when every rank's block is done.
 
@@ -287,14 +295,21 @@ class CheckpointManager:
         ``metrics`` (name -> number) go into the step's manifest, and rank 0's are taken on every node (they travel
         in the exchange that follows the block): with a ``best_metric`` they rank the steps for retention, and every
         node keeps the same steps.
+
+        ``shards``: state holding ``DTensor`` objects, which every rank writes its part of with
+        ``torch.distributed.checkpoint`` (:mod:`ranksafe.sharded`) once every rank's block is done, before the
+        commit (with ``async_save``: every rank snapshots it at the end of its block, and writes it in the
+        background). The root must be shared by every rank.
         """
         writer_files = dict(writer_files or {})
         for name in writer_files:
             check_name(name, "file name")
         metrics = {k: float(v) for k, v in (metrics or {}).items()}
         where = self.placement
+        if shards is not None:
+            require_shared(where, self.root)  # the placement is agreed: every rank raises alike
         if self._saver is not None:
-            if where.writer:
+            if where.writer or shards is not None:  # sharded: every rank writes, so every rank waits
                 self._saver.wait()  # create() removes temporaries: the commit in flight must be done first
             self.check()  # a failed background commit stops every rank here, not a step later
         commit = step_commit(self._place(step))
@@ -304,9 +319,12 @@ class CheckpointManager:
                 self._clean_debris()
                 commit.create()
         tx = StepWriter(commit, step)
+        part = None if shards is None else self._shards(shards, commit, tx, where.writer)  # every rank
         exc: BaseException | None = None
         try:
             yield tx
+            if part is not None:  # sharded: with async_save, every rank snapshots its part now
+                part.after_block(writer_files)
         except BaseException as e:
             exc = e
         try:
@@ -315,6 +333,8 @@ class CheckpointManager:
                 what=f"checkpoint {step}: write",
             )  # fmt: skip
         except BaseException:
+            if part is not None:
+                part.given_up()
             if where.writer:
                 commit.abort()
             raise
@@ -323,12 +343,14 @@ class CheckpointManager:
                 tx.entries.update(entries)
         tx.metrics = posted[0][2]  # rank 0's, on every node
         self.schedule.saved()
+        if part is not None:
+            part.agreed()  # every rank writes its part now, or in the background (then the writer commits there)
         if self._saver is None:
             with together(f"checkpoint {step}: commit", self.timeout):
                 if where.writer:
                     self._commit(commit, tx, writer_files)
                     self._retain(newest=step)
-        elif where.writer:  # the snapshot of writer_files is taken now; a failure is reported by check()
+        elif where.writer and part is None:  # the snapshot of writer_files is taken now; check() reports a failure
             self._saver.submit(
                 writer_files, lambda snapshot: self._commit(commit, tx, snapshot), lambda _: self._retain(newest=step)
             )
@@ -352,6 +374,20 @@ class CheckpointManager:
             raise
         return name_of(commit.final)
 
+    def _shards(self, shards: dict[str, Any], commit: DirCommit, tx: StepWriter, writer: bool) -> StepShards:
+        """The sharded part of step ``tx.step`` (:class:`~ranksafe.sharded.StepShards`); with ``async_save`` the
+        writer commits and applies retention on the saver's thread once every rank's part is written."""
+
+        def commit_in_background(writer_files: Mapping[str, Any]) -> str:
+            committed = self._commit(commit, tx, writer_files)
+            self._retain(newest=tx.step)
+            return committed
+
+        timeout = self.timeout or default_timeout()
+        return StepShards(
+            shards, tx.path, tx.step, tx.entries, writer, commit.abort, self._saver, commit_in_background, timeout
+        )
+
     def save(
         self,
         step: int,
@@ -366,13 +402,20 @@ class CheckpointManager:
         instead) and ``extra_files`` (name -> bytes, str, or an object for ``torch.save``). For per-rank
         side files use :meth:`saving`.
 
+        A ``state`` holding ``DTensor`` objects (FSDP2, tensor parallelism; a dict of the state dicts
+        ``torch.distributed.checkpoint.state_dict.get_state_dict`` returns, or of ``Stateful`` objects) is saved
+        with ``torch.distributed.checkpoint`` instead: every rank writes its own shards, plain tensors and other
+        values go with them, and :meth:`load` with ``into=`` reads it back at any world size. The root must be
+        shared by every rank.
+
         With ``async_save`` it returns once ``state`` and ``extra_files`` are snapshotted: the directory it
         returns is committed later, in the background (:meth:`wait`). Shards and side files are written
         before it returns (every rank's files must be in before the writer commits). ``metrics``: see
         :meth:`saving`.
         """
-        files = {**({} if sharded else {STATE: state}), **(extra_files or {})}
-        with self.saving(step, files, metrics) as tx:
+        shards = None if sharded else for_dcp(state)  # DTensors: every rank writes its part (ranksafe.sharded)
+        files = {**({} if sharded or shards is not None else {STATE: state}), **(extra_files or {})}
+        with self.saving(step, files, metrics, shards=shards) as tx:
             if sharded:
                 tx.save(state, _shard(topology.rank()))
         return self.step_dir(step)
@@ -464,14 +507,25 @@ class CheckpointManager:
         map_location: Any = "cpu",
         weights_only: bool | None = True,
         sharded: bool = False,
+        *,
+        into: dict[str, Any] | None = None,
     ) -> Any:
         """Load step ``step`` (default: :meth:`latest`) on every rank after verifying it; collective.
 
         The writer(s) check every file against the manifest first. A corrupt step raises
         :class:`CorruptCheckpoint` on every rank, naming the file, unless ``fallback`` is set (and ``step``
         is not): then the previous good step loads, with a warning. :attr:`loaded_step` says which step.
+
+        ``into``: a step saved with sharded state loads in place into this state, which is returned (its
+        ``DTensor`` objects get this rank's part, resharded to their current mesh and placements; ``Stateful``
+        values get their state): build it as for saving, from the model and optimizer of this job, at any
+        world size. Every rank checks its share of the step's files first.
         """
+        if into is not None and not isinstance(into, Mapping):
+            raise TypeError(f"into must be a dict of state to load into, not {type(into).__name__}")
         common = self._common()
+        if into is not None:
+            require_shared(self.placement, self.root)
         if step is not None:
             if _check_step(step) not in common:
                 raise FileNotFoundError(f"step {step} is not committed on every node under {self.root}")
@@ -483,7 +537,7 @@ class CheckpointManager:
         self._loading.update(candidates)  # retention must not delete what is being read
         try:
             for s in candidates:
-                bad = self._verify(s)
+                bad = self._verify(s, split=into is not None)
                 if bad is None:
                     break
                 if s == candidates[-1]:
@@ -491,9 +545,12 @@ class CheckpointManager:
                 previous = candidates[candidates.index(s) + 1]
                 warnings.warn(f"{bad}; falling back to step {previous}", RuntimeWarning, stacklevel=2)
             result = None
-            with together(f"checkpoint {s}: load", self.timeout):
-                path = join(self._place(s), _shard(topology.rank()) if sharded else STATE)
-                result = load_file(name_of(path), map_location, weights_only, storage_options=self.storage_options)
+            if into is not None:  # sharded: every rank reads its part in place (a failure is shared by DCP)
+                result = read_shards(into, name_of(self._place(s)), f"checkpoint {s}: load", weights_only)
+            else:
+                with together(f"checkpoint {s}: load", self.timeout):
+                    path = join(self._place(s), _shard(topology.rank()) if sharded else STATE)
+                    result = load_file(name_of(path), map_location, weights_only, storage_options=self.storage_options)
         finally:
             self._loading.difference_update(candidates)
         self.loaded_step = s
@@ -546,12 +603,16 @@ class CheckpointManager:
         else:
             share_outcome("checkpoint: close", None, self.timeout)
 
-    def _verify(self, step: int) -> BaseException | None:
-        """The agreed verdict of the writers' deep check of ``step``: None, or the error to raise everywhere."""
+    def _verify(self, step: int, split: bool = False) -> BaseException | None:
+        """The agreed verdict of the writers' deep check of ``step`` (``split``: every rank checks its share of
+        the files of a sharded step): None, or the error to raise everywhere."""
         exc = None
-        if self.placement.writer:
+        if split or self.placement.writer:
             try:
-                verify_step(self._place(step))
+                if split:
+                    verify_shares(self._place(step))
+                else:
+                    verify_step(self._place(step))
             except Exception as e:  # whatever the writer met, every rank must hear of it in the exchange below
                 exc = e
         try:

@@ -277,17 +277,22 @@ def _is_crc(crc: Any) -> bool:
 
 
 def verify_step(
-    step_dir: str | os.PathLike | Remote, deep: bool = True, storage_options: dict[str, Any] | None = None
+    step_dir: str | os.PathLike | Remote,
+    deep: bool = True,
+    storage_options: dict[str, Any] | None = None,
+    share: tuple[int, int] = (0, 1),
 ) -> dict[str, Any]:
     """Check every file of a step directory against its manifest; return the manifest.
 
     Raises :class:`CorruptCheckpoint` naming the first bad file (missing, wrong size, or with ``deep``
     wrong CRC32), and ``FileNotFoundError`` when the directory does not exist. No collectives. ``step_dir`` may
-    be a URL of remote storage (``storage_options`` for its file system).
+    be a URL of remote storage (``storage_options`` for its file system). ``share=(i, n)``: only every ``n``-th
+    file from the ``i``-th, in name order (``n`` ranks checking one step together).
     """
     step_dir = _resolve(step_dir, storage_options)
     manifest = read_manifest(step_dir)
-    for rel, meta in manifest["files"].items():
+    index, count = share
+    for rel, meta in sorted(manifest["files"].items())[index::count]:
         place = join(step_dir, rel)
         try:
             size = _size(place)

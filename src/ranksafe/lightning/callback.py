@@ -23,9 +23,10 @@ from .. import remote, topology
 from ..async_save import poll_savers
 from ..checkpoint import STATE, CheckpointManager
 from ..collectives import abort, agree, broadcast, together
-from ..files import clean_orphans, probe_write
+from ..files import clean_orphans, load_file, probe_write
 from ..lock import StateDictLock
 from ..saving import error_naming_target, prepare_dir
+from ..sharded import for_dcp
 from ..storage import Storage
 from . import compat
 from .io import RankSafeCheckpointIO, exists, link, path_key
@@ -146,19 +147,25 @@ class RankSafe(Callback):
         if self.manager is None:
             raise ValueError("latest_checkpoint() needs RankSafe(checkpoint_dir=...)")
         step = self.manager.latest()
-        return None if step is None else os.path.join(self.manager.step_dir(step), STATE)
+        if step is None:
+            return None
+        state = os.path.join(self.manager.step_dir(step), STATE)  # a step of sharded state is its directory
+        return state if exists(state) else self.manager.step_dir(step)
 
     @property
     def _async_manager(self) -> bool:
         return self.manager is not None and self.manager.async_save
 
     def _managed_step(self, path: Any) -> int | None:
-        """The step whose state file ``path`` is, when it lies in this callback's checkpoint_dir."""
+        """The step whose state file (or, sharded, whose directory) ``path`` is, when it lies in this callback's
+        checkpoint_dir."""
         if self.manager is None or path is None:
             return None
-        step_dir, name = path_key(path).rsplit("/", 1)
+        step_dir = path_key(path)
+        if step_dir.endswith("/" + STATE):
+            step_dir = step_dir[: -len(STATE) - 1]
         digits = os.path.basename(step_dir)[len(self.manager.prefix) :]
-        if name == STATE and digits.isdigit() and self.manager.step_dir(int(digits)) == step_dir:
+        if digits.isdigit() and self.manager.step_dir(int(digits)) == step_dir:
             return int(digits)
         return None
 
@@ -178,7 +185,7 @@ class RankSafe(Callback):
             wrap(strategy, "save_checkpoint", functools.partial(self._together, "Trainer.save_checkpoint"))
             wrap(strategy, "remove_checkpoint", functools.partial(self._together, "Trainer.remove_checkpoint"))
         if shared or self.manager is not None:
-            wrap(strategy, "load_checkpoint", self._load)
+            wrap(strategy, "load_checkpoint", functools.partial(self._load, trainer))
         if self._io is not None or self._async_manager:
             wrap(strategy, "optimizer_step", self._holding_locks)
         if shared or self.resume:
@@ -276,7 +283,15 @@ class RankSafe(Callback):
         if self.manager is None or (trainer.current_epoch + 1) % self.every_n_epochs:
             return
         checkpoint = compat.checkpoint_connector(trainer).dump_checkpoint(weights_only=False)
-        self.manager.save(trainer.global_step, checkpoint)
+        sharded = for_dcp(checkpoint)
+        if sharded is None:
+            self.manager.save(trainer.global_step, checkpoint)
+            return
+        # sharded (ModelParallelStrategy): the weights and optimizer states through DCP, every rank its part, and
+        # the rest in one file, as Lightning lays out its own sharded checkpoints
+        shards = {"state_dict": sharded.pop("state_dict")}
+        shards.update({f"optimizer_{i}": s for i, s in enumerate(sharded.pop("optimizer_states", []))})
+        self.manager.save(trainer.global_step, shards, extra_files={compat.SHARDED_METADATA: sharded})
 
     # -- what the wrapped methods run (``original`` is the method they replace) ------------------------
     def _together(self, name: str, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -284,18 +299,46 @@ class RankSafe(Callback):
         with together(name, self.timeout):
             return original(*args, **kwargs)
 
-    def _load(self, original: Callable[..., Any], checkpoint_path: Any, weights_only: bool | None = None) -> Any:
+    def _load(
+        self, trainer: pl.Trainer, original: Callable[..., Any], checkpoint_path: Any, weights_only: bool | None = None
+    ) -> Any:
         """The strategy's load: a step of the manager is verified against its manifest on every node, a file is
         loaded with the outcome shared; a background write in flight is waited for on every rank first."""
         if _shared() and self._io is not None:
             self._io.wait()
             self._io.check()
         step = self._managed_step(checkpoint_path)
+        if step is not None and path_key(checkpoint_path) == self.manager.step_dir(step):  # type: ignore[union-attr]
+            return self._load_sharded(trainer, step, weights_only)
         if step is not None:
             return self.manager.load(step, weights_only=weights_only)  # type: ignore[union-attr]
         if not _shared():
             return original(checkpoint_path, weights_only=weights_only)
         return self._together("Trainer.load_checkpoint", original, checkpoint_path, weights_only=weights_only)
+
+    def _load_sharded(self, trainer: pl.Trainer, step: int, weights_only: bool | None) -> dict[str, Any]:
+        """A step of sharded state into the strategy's model and optimizers, in place, resharded to this run; returns
+        the rest of the checkpoint (what the strategy's own ``load_checkpoint`` returns)."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        model, optimizers = trainer.strategy.model, trainer.strategy.optimizers
+        into = {"state_dict": get_model_state_dict(model)}
+        into.update({f"optimizer_{i}": get_optimizer_state_dict(model, opt) for i, opt in enumerate(optimizers)})
+        self.manager.load(step, weights_only=weights_only, into=into)  # type: ignore[union-attr]
+        strict = StateDictOptions(strict=trainer.lightning_module.strict_loading)
+        set_model_state_dict(model, into["state_dict"], options=strict)
+        for i, opt in enumerate(optimizers):
+            set_optimizer_state_dict(model, opt, into[f"optimizer_{i}"])
+        rest = os.path.join(self.manager.step_dir(step), compat.SHARDED_METADATA)  # type: ignore[union-attr]
+        if not _shared():
+            return load_file(rest, weights_only=weights_only)
+        return self._together("Trainer.load_checkpoint: the rest", load_file, rest, weights_only=weights_only)
 
     def _resume_start(
         self, trainer: pl.Trainer, original: Callable[..., Any], checkpoint_path: Any = None, weights_only: Any = None

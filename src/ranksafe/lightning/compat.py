@@ -30,6 +30,12 @@ its ``dump_checkpoint(weights_only)`` builds the dict that ``trainer.save_checkp
 ``RankSafe(checkpoint_dir=...)``). No hook offers either."""
 
 
+SHARDED_METADATA = "meta.pt"
+"""``lightning.fabric.utilities.load._METADATA_FILENAME``: in a sharded checkpoint of Lightning's (a directory of
+DCP files), the file holding everything but the weights and optimizer states. RankSafe's steps of sharded state use
+the same name, so the layout is Lightning's own."""
+
+
 def checkpoint_connector(trainer: pl.Trainer) -> Any:
     """The Trainer's checkpoint connector (see :data:`CHECKPOINT_CONNECTOR`)."""
     return getattr(trainer, CHECKPOINT_CONNECTOR)
