@@ -4,9 +4,10 @@ For every ``fit``, Lightning's signal connector installs a SIGTERM handler that 
 handler and stops the loops with ``SIGTERMException``, and, with ``SLURMEnvironment(auto_requeue=True)``, a handler
 for the requeue signal (SIGUSR1) that saves a checkpoint from inside the handler, then runs
 ``scontrol requeue <job id>`` on rank 0. A handler interrupts each rank somewhere else (a step, an all-reduce, a
-save): no collective can run there, and ranksafe's refuse to. With ``RankSafe(preemption=True)`` the checkpoint
-manager's handlers only record the signal; the ranks save together at the next common optimizer step boundary, stop,
-and then :func:`requeue` runs the command Lightning's handler would have run, from rank 0, after the commit.
+save), so a collective started there pairs with whatever the other ranks are in, or waits for ranks that never come.
+With ``RankSafe(preemption=True)`` the checkpoint manager's handlers only record the signal; the ranks save together
+at the next common optimizer step boundary, stop, and then :func:`requeue` runs the command Lightning's handler would
+have run, from rank 0, after the commit.
 """
 
 from __future__ import annotations
