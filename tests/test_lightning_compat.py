@@ -1,5 +1,6 @@
 """The Lightning methods RankSafe wraps, and the private names it reads (ranksafe/lightning/compat.py), exist with
-the parameters it passes on: a Lightning release that renames, removes or changes one fails here, naming it."""
+the parameters it passes on, and the SLURM requeue it takes over still runs the command ranksafe runs in its place: a
+Lightning release that renames, removes or changes one fails here, naming it."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import inspect
 import lightning
 import lightning.pytorch as pl
 import pytest
+from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
+from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 
 from ranksafe.lightning import compat
 
@@ -23,8 +26,11 @@ WRAPPED = [  # (class, method, the parameters RankSafe's replacement takes)
     (ModelCheckpoint, compat.MONITOR_CANDIDATES, ["self", "trainer"]),
     (ModelCheckpoint, "file_exists", ["self", "filepath", "trainer"]),
     (ModelCheckpoint, "on_train_epoch_end", ["self", "trainer", "pl_module"]),
+    (ModelCheckpoint, "on_train_batch_end", ["self", "trainer", "pl_module", "outputs", "batch", "batch_idx"]),
     (EarlyStopping, compat.STOPPING_CRITERIA, ["self", "current"]),
     (EarlyStopping, "on_train_epoch_end", ["self", "trainer", "pl_module"]),
+    (EarlyStopping, "on_train_batch_end", ["self", "trainer", "pl_module", "outputs", "batch", "batch_idx"]),
+    (_SignalConnector, "register_signal_handlers", ["self"]),
 ]
 
 
@@ -52,3 +58,24 @@ def test_the_trainer_has_the_checkpoint_connector_ranksafe_calls():
     ):
         assert hasattr(connector, name), f"{where}.{name} is gone"
         assert _parameters(getattr(connector, name)) == parameters, f"{where}.{name} now takes other parameters"
+
+
+def test_the_trainer_has_the_signal_connector_and_cluster_environment_ranksafe_reads():
+    trainer = pl.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False)
+    for name in (compat.SIGNAL_CONNECTOR, compat.ACCELERATOR_CONNECTOR):
+        where = f"Lightning {lightning.__version__}: Trainer.{name}"
+        assert hasattr(trainer, name), f"{where} is gone; ranksafe/lightning/compat.py must follow it"
+    assert isinstance(compat.signal_connector(trainer), _SignalConnector)
+    where = f"Lightning {lightning.__version__}: Trainer.{compat.ACCELERATOR_CONNECTOR}.cluster_environment"
+    assert isinstance(compat.cluster_environment(trainer), ClusterEnvironment), f"{where} is gone"
+
+
+def test_lightnings_slurm_handler_still_requeues_with_the_command_ranksafe_runs_in_its_place():
+    """RankSafe(preemption=True) replaces Lightning's SLURM requeue handler and runs its command: if the handler's
+    command changes, ranksafe/lightning/preemption.py must follow it."""
+    source = inspect.getsource(_SignalConnector._slurm_sigusr_handler_fn)
+    where = f"Lightning {lightning.__version__}: _SignalConnector._slurm_sigusr_handler_fn"
+    assert '["scontrol", "requeue", job_id]' in source, f"{where} no longer runs scontrol requeue <job id>"
+    for variable in ("SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_JOB_ID"):
+        assert variable in source, f"{where} no longer reads {variable}"
+    assert "self.trainer.is_global_zero" in source, f"{where} no longer requeues from rank 0 only"

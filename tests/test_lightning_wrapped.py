@@ -1,12 +1,14 @@
 """What RankSafe puts on Lightning's objects: picklable during ``fit`` (``pickle`` and ``torch.save``, as stock
 Lightning's objects are), gone after it, on success and on failure (the attributes of the strategy, the checkpoint
-connector and the callbacks are those of a stock run), and a ModelCheckpoint stand-in without ``dirpath``.
+and signal connectors and the callbacks are those of a stock run, the signal handlers those before the run), and a
+ModelCheckpoint stand-in without ``dirpath``.
 Multi-rank runs check the same in tests/test_lightning_ddp.py."""
 
 from __future__ import annotations
 
 import io
 import pickle
+import signal
 from unittest.mock import Mock
 
 import lightning.pytorch as pl
@@ -25,6 +27,7 @@ def _objects(trainer: pl.Trainer) -> dict[str, object]:
         "trainer": trainer,
         "strategy": trainer.strategy,
         "connector": compat.checkpoint_connector(trainer),
+        "signals": compat.signal_connector(trainer),
         "ModelCheckpoint": trainer.checkpoint_callback,
         "EarlyStopping": trainer.early_stopping_callback,
         "checkpoint_io": trainer.strategy.checkpoint_io,  # RankSafeCheckpointIO in our runs
@@ -46,19 +49,25 @@ def _unpicklable(objects: dict[str, object]) -> list[str]:
     return failed
 
 
+_WRAPPED_OWNERS = ("strategy", "connector", "signals", "ModelCheckpoint", "EarlyStopping")
+
+
 def _wrapped(trainer: pl.Trainer) -> list[str]:
     return sorted(
         f"{owner}.{name}"
         for owner, obj in _objects(trainer).items()
-        if owner in ("strategy", "connector", "ModelCheckpoint", "EarlyStopping")
+        if owner in _WRAPPED_OWNERS
         for name, value in vars(obj).items()
         if isinstance(value, Wrapped)
     )
 
 
 def _attributes(trainer: pl.Trainer) -> dict[str, list[str]]:
-    owners = ("strategy", "connector", "ModelCheckpoint", "EarlyStopping")
-    return {owner: sorted(vars(obj)) for owner, obj in _objects(trainer).items() if owner in owners}
+    return {owner: sorted(vars(obj)) for owner, obj in _objects(trainer).items() if owner in _WRAPPED_OWNERS}
+
+
+def _handlers() -> dict[str, object]:
+    return {s.name: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
 
 
 class PickleProbe(pl.Callback):
@@ -69,10 +78,12 @@ class PickleProbe(pl.Callback):
         self.wrapped: list[str] = []
         self.unpicklable: list[str] | None = None
         self.original_after_unpickling: object = None
+        self.handlers: set[str] = set()  # the classes of the signal handlers (the handlers would pickle with it)
 
     def on_train_batch_end(self, trainer, pl_module, *args):
         if trainer.global_step == 3:
             self.wrapped = _wrapped(trainer)
+            self.handlers = {type(getattr(h, "__self__", h)).__name__ for h in _handlers().values()}
             self.unpicklable = _unpicklable(_objects(trainer))
             copy = pickle.loads(pickle.dumps(trainer.strategy))
             if isinstance(vars(copy).get("optimizer_step"), Wrapped):
@@ -89,7 +100,7 @@ def _fit(root, ours: bool, async_io: bool = False, fail_at: int | None = None) -
         probe,
     ]
     if ours:  # every wrapper that a single process installs
-        callbacks.append(RankSafe(checkpoint_dir=root / "managed", keep=1, resume=True, async_save=True))
+        callbacks.append(RankSafe(checkpoint_dir=root / "managed", keep=1, async_save=True, preemption=True))
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, callbacks=callbacks,
@@ -105,15 +116,19 @@ def _fit(root, ours: bool, async_io: bool = False, fail_at: int | None = None) -
 
 @pytest.mark.parametrize("async_io", [False, True], ids=["sync-io", "async-io"])
 def test_everything_pickles_during_fit_and_after_it_no_ranksafe_attribute_is_left(tmp_path, async_io):
+    before = _handlers()
     stock, stock_probe = _fit(tmp_path / "stock", ours=False)
     trainer, probe = _fit(tmp_path / "ours", ours=True, async_io=async_io)
     assert stock_probe.unpicklable == [] and stock_probe.wrapped == []  # stock Lightning pickles all of these
     assert probe.wrapped == sorted(
         ["connector.resume_start", "strategy.load_checkpoint", "strategy.optimizer_step"]
-        + ["ModelCheckpoint._link_checkpoint", "ModelCheckpoint.on_train_epoch_end"]
+        + ["ModelCheckpoint._link_checkpoint", "ModelCheckpoint.on_train_batch_end"]
+        + ["ModelCheckpoint.on_train_epoch_end", "signals.register_signal_handlers"]
         + (["ModelCheckpoint.file_exists"] if async_io else [])
     )  # installed while the probe pickled them
     assert probe.unpicklable == []
+    assert probe.handlers == {"Signals"}  # ranksafe's recorder, during fit
+    assert _handlers() == before
     # a bound method would pickle as getattr(strategy, "optimizer_step") and could come back as the wrapper itself
     assert not isinstance(probe.original_after_unpickling, Wrapped)
     assert probe.original_after_unpickling.__func__ is type(trainer.strategy).optimizer_step
@@ -125,9 +140,10 @@ def test_everything_pickles_during_fit_and_after_it_no_ranksafe_attribute_is_lef
 
 def test_after_a_failed_fit_no_ranksafe_attribute_is_left(tmp_path):
     stock, _ = _fit(tmp_path / "stock", ours=False, fail_at=5)
+    before = _handlers()
     trainer, probe = _fit(tmp_path / "ours", ours=True, async_io=True, fail_at=5)
     assert "strategy.optimizer_step" in probe.wrapped  # installed until the failure
-    assert _wrapped(trainer) == [] and _attributes(trainer) == _attributes(stock)
+    assert _wrapped(trainer) == [] and _attributes(trainer) == _attributes(stock) and _handlers() == before
     assert _unpicklable(_objects(trainer)) == []
 
 

@@ -12,7 +12,8 @@ import contextlib
 import functools
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
@@ -31,6 +32,7 @@ from ..storage import Storage
 from . import compat
 from .io import RankSafeCheckpointIO, exists, link, path_key
 from .monitor import MonitorAgreement, MonitorOp
+from .preemption import UNAGREED_REQUEUE, SlurmRequeue, requeue
 from .wrapped import unwrap, wrap
 
 
@@ -44,6 +46,34 @@ def _inside(path: Any, directory: str) -> bool:
         return False
     path, directory = path_key(path), path_key(directory)
     return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be a positive int or None, not {value!r}")
+
+
+def _seconds(interval: timedelta | float | None) -> float | None:
+    """``train_time_interval`` in seconds: a ``timedelta``, as ModelCheckpoint takes it, or a number of seconds."""
+    seconds = interval.total_seconds() if isinstance(interval, timedelta) else interval
+    if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0):
+        raise ValueError(f"train_time_interval must be a positive timedelta or number of seconds, not {interval!r}")
+    return seconds
+
+
+def _epochs(every_n_epochs: int | None, every_n_train_steps: int | None, seconds: float | None) -> int | None:
+    """The epoch interval: by default every epoch, unless steps or time decide (ModelCheckpoint's rule)."""
+    for name, value in (("every_n_epochs", every_n_epochs), ("every_n_train_steps", every_n_train_steps)):
+        _positive_int(name, value)
+    if every_n_epochs is None and every_n_train_steps is None and seconds is None:
+        return 1
+    return every_n_epochs
+
+
+def _refuse_without_dir(checkpoint_dir: Any, **options: Any) -> None:
+    for name, value in options.items():
+        if value and checkpoint_dir is None:
+            raise ValueError(f"RankSafe({name}=...) needs a checkpoint_dir to save into")
 
 
 def _async_io(trainer: pl.Trainer) -> RankSafeCheckpointIO | None:
@@ -79,19 +109,38 @@ class RankSafe(Callback):
             ``sync_dist=True`` would log), ``"main"`` (rank 0's), ``"max"`` or ``"min"``.
         timeout: seconds a rank waits for the others in a shared save/load (default: ranksafe's,
             ``RANKSAFE_TIMEOUT`` or 30 minutes); past it every rank raises :class:`~ranksafe.BarrierTimeout`.
-        checkpoint_dir: save the Trainer's full checkpoint (what ``trainer.save_checkpoint`` writes) at the end of
-            every ``every_n_epochs``-th training epoch into a :class:`~ranksafe.CheckpointManager` under this
-            directory, as step ``trainer.global_step``. The save comes right after the last ModelCheckpoint's or
-            EarlyStopping's ``on_train_epoch_end`` (Lightning runs those last), so their state is this epoch's.
+        checkpoint_dir: save the Trainer's full checkpoint (what ``trainer.save_checkpoint`` writes) into a
+            :class:`~ranksafe.CheckpointManager` under this directory, as step ``trainer.global_step``: at the end of
+            every ``every_n_epochs``-th training epoch, after every ``every_n_train_steps`` optimizer steps, every
+            ``train_time_interval`` and at a preemption. A save comes right after the last ModelCheckpoint's or
+            EarlyStopping's hook of the same name (Lightning runs those last), so their state is the step's.
         keep: committed steps to keep under ``checkpoint_dir`` (``None``: all).
-        every_n_epochs: save every this many epochs.
+        every_n_epochs: save every this many epochs. ``None``: every epoch, unless ``every_n_train_steps`` or
+            ``train_time_interval`` is given (then no epoch saves, as with ModelCheckpoint).
         storage: ``"auto"`` probes whether ``checkpoint_dir`` is shared by every rank or local to each node
             (then every node keeps its own copy); ``"shared"`` / ``"local"`` say so.
         resume: ``trainer.fit(model)`` without ``ckpt_path`` starts from the latest step committed on every
             node (:meth:`latest_checkpoint`), or from scratch when there is none. An explicit ``ckpt_path`` wins.
-        async_save: the manager commits each step in the background: the epoch end waits only for the snapshot,
+            ``None``: resume when ``preemption`` is on (a requeued job resumes where it stopped).
+        async_save: the manager commits each step in the background: the save waits only for the snapshot,
             a failed commit is raised on every rank at the end of the next training step, and ``on_fit_end``
             waits for the last one.
+        every_n_train_steps: save when ``trainer.global_step`` is a multiple of it, at the end of the training
+            batch whose optimizer step made it so (as ModelCheckpoint does). Every rank counts the same steps.
+        train_time_interval: save at the end of the first optimizer step after this much time (a ``timedelta``, or
+            seconds) since the start of training or the last save, by rank 0's clock: rank 0 posts at the end of
+            one step and every rank saves at the end of the next, whatever the other ranks' clocks say.
+        preemption: during ``fit``, handle SIGTERM and SIGUSR1 (or the signals given) instead of Lightning: a signal
+            to any rank, at any moment, makes every rank save the Trainer's checkpoint at the same optimizer step
+            (the first end of a step that every rank reaches after the signalled rank's next one), then stop
+            (``trainer.should_stop``), so that ``fit`` returns and the process ends normally. Lightning then runs
+            what follows any stop request (a validation, the epoch-end hooks), as after EarlyStopping. With
+            ``SLURMEnvironment(auto_requeue=True)`` (Lightning's default under SLURM) and its requeue signal, rank 0
+            runs ``scontrol requeue <job id>`` once the step is committed, as Lightning's own handler would have
+            after saving from inside the signal handler (where ranks cannot agree, so it never runs).
+
+    Every save decision is the checkpoint manager's (:meth:`~ranksafe.CheckpointManager.should_save`), asked once per
+    optimizer step on every rank (one store read per decision that needs one: the time interval, preemption).
     """
 
     def __init__(
@@ -101,32 +150,51 @@ class RankSafe(Callback):
         timeout: float | None = None,
         checkpoint_dir: str | os.PathLike | None = None,
         keep: int | None = 3,
-        every_n_epochs: int = 1,
+        every_n_epochs: int | None = None,
         storage: Storage = "auto",
-        resume: bool = False,
+        resume: bool | None = None,
         async_save: bool = False,
+        every_n_train_steps: int | None = None,
+        train_time_interval: timedelta | float | None = None,
+        preemption: bool | Iterable[int] = False,
     ):
-        if isinstance(every_n_epochs, bool) or not isinstance(every_n_epochs, int) or every_n_epochs < 1:
-            raise ValueError(f"every_n_epochs must be a positive int, not {every_n_epochs!r}")
-        if resume and checkpoint_dir is None:
-            raise ValueError("resume=True needs a checkpoint_dir to resume from")
+        seconds = _seconds(train_time_interval)
+        self.every_n_epochs = _epochs(every_n_epochs, every_n_train_steps, seconds)
+        if not isinstance(preemption, bool):
+            preemption = tuple(preemption)
+        self.resume = bool(preemption) if resume is None else resume
+        _refuse_without_dir(
+            checkpoint_dir, preemption=preemption, every_n_train_steps=every_n_train_steps,
+            train_time_interval=seconds, resume=self.resume,
+        )  # fmt: skip
         self.overwrite = overwrite
         self.monitors = MonitorAgreement(monitor_op)
         self.timeout = timeout
-        self.every_n_epochs = every_n_epochs
-        self.resume = resume
-        self._manager_args = None if checkpoint_dir is None else (checkpoint_dir, keep, storage, timeout, async_save)
+        self._manager_args = None
+        if checkpoint_dir is not None:
+            self._manager_args = dict(
+                root=checkpoint_dir, keep=keep, storage=storage, timeout=timeout, async_save=async_save,
+                save_interval_steps=every_n_train_steps, save_interval_seconds=seconds, preemption=preemption,
+            )  # fmt: skip
         self.lock = StateDictLock()  # the manager's snapshots take its read side; optimizer steps its write side
         self.manager = self._new_manager()
         self._io: RankSafeCheckpointIO | None = None  # the async plugin of the current run, if any
-        self._after_monitors = False  # the epoch's step is saved after the last monitoring callback's epoch end
-        self._polled_step = -1  # the optimizer step whose end on_train_batch_end last checked the savers at
+        self._after_monitors = False  # the step's and the epoch's saves come after the last monitoring callback's
+        self._polled_step = -1  # the optimizer step whose end was last checked (savers, schedule)
+        self._requeue: SlurmRequeue | None = None  # what the run's SLURMEnvironment asks for after a preemption
+        self._stopping = False  # this fit's preemption step is saved: only stop requests from now on
 
     def _new_manager(self) -> CheckpointManager | None:
         if self._manager_args is None:
             return None
-        root, keep, storage, timeout, async_save = self._manager_args
-        return CheckpointManager(root, keep, storage, timeout=timeout, async_save=async_save, lock=self.lock)
+        manager = CheckpointManager(**self._manager_args, lock=self.lock)
+        # the manager installs its signal handlers at once; RankSafe's are in place only while a fit runs
+        manager.schedule.uninstall()
+        return manager
+
+    @property
+    def _handles_signals(self) -> bool:
+        return self.manager is not None and self.manager.schedule.signals is not None
 
     def __getstate__(self) -> dict[str, Any]:
         """``ddp_spawn`` pickles the callbacks with the Trainer: locks and threads are made anew in the worker."""
@@ -173,11 +241,26 @@ class RankSafe(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Runs on every rank once the process group exists, before any checkpoint is loaded or saved."""
         self._io = _async_io(trainer)
-        self._polled_step = -1
+        self._stopping, self._requeue = False, None
         if self._io is not None:
             self._io._attach()
         self._wrap_strategy(trainer, _shared())
         self._wrap_callbacks(trainer, _shared())
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._take_over_signals(trainer)
+
+    def _take_over_signals(self, trainer: pl.Trainer) -> None:
+        """With preemption, Lightning's signal handlers are not installed for this fit: the manager's are, in their
+        place. Without, a warning when Lightning's SLURM requeue handler would save with other ranks."""
+        requeue_asked = SlurmRequeue.of(trainer)
+        if not self._handles_signals:
+            if requeue_asked is not None and _shared() and topology.is_main():
+                warnings.warn(UNAGREED_REQUEUE, stacklevel=3)
+            return
+        if requeue_asked is not None:
+            requeue_asked.check_handled(self.manager.schedule.signals.signals)  # type: ignore[union-attr]
+        self._requeue = requeue_asked
+        wrap(compat.signal_connector(trainer), "register_signal_handlers", self._register_signals)
 
     def _wrap_strategy(self, trainer: pl.Trainer, shared: bool) -> None:
         strategy = trainer.strategy
@@ -195,7 +278,8 @@ class RankSafe(Callback):
         monitors = [cb for cb in trainer.callbacks if isinstance(cb, (EarlyStopping, Checkpoint))]
         self._after_monitors = self.manager is not None and bool(monitors)
         if self._after_monitors:
-            wrap(monitors[-1], "on_train_epoch_end", self._then_save_step)
+            wrap(monitors[-1], "on_train_batch_end", self._then_end_step)
+            wrap(monitors[-1], "on_train_epoch_end", self._then_end_epoch)
         for cb in monitors:
             monitor = getattr(cb, "monitor", None)  # a stand-in (a Mock with a spec) may have none
             if isinstance(cb, ModelCheckpoint):
@@ -235,24 +319,24 @@ class RankSafe(Callback):
         if self.manager is not None:
             self.manager.warmup()
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        """A background write that failed is raised on every rank at the end of the next optimizer step, the same on
-        every rank (:func:`~ranksafe.async_save.poll_savers`): one store read per step while nothing failed. Once
-        per optimizer step, not per micro-batch: a step boundary needs the gradient all-reduce between two."""
-        if trainer.global_step == self._polled_step:
-            return
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The first step boundary is the end of the first optimizer step, and ``train_time_interval`` counts from
+        now (not from this callback's construction, before the processes, the data and the model were set up)."""
         self._polled_step = trainer.global_step
-        savers = [self._io.saver] if self._io is not None else []
-        if self._async_manager:
-            savers.append(self.manager.saver)  # type: ignore[union-attr]
-        if savers:
-            poll_savers(savers)
+        if self.manager is not None:
+            self.manager.schedule.saved()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        """The end of an optimizer step (:meth:`_end_step`): here when no monitoring callback runs after this one,
+        else right after the last of them (see ``setup``)."""
+        if not self._after_monitors:
+            self._end_step(trainer)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Every ``every_n_epochs`` epochs, the Trainer's full checkpoint becomes a committed manager step: here
         when no monitoring callback runs after this one, else right after the last of them (see ``setup``)."""
         if not self._after_monitors:
-            self._save_step(trainer)
+            self._end_epoch(trainer)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The plugin's teardown (before this hook) waited for the last write: report its outcome everywhere."""
@@ -269,19 +353,50 @@ class RankSafe(Callback):
         abort(exception)
         if self.manager is not None:
             self.manager.shutdown()  # a step being committed in the background is not lost; no thread stays
-        self._unwrap(trainer)
+        self._undo(trainer)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """The strategy, connector and callbacks are stock Lightning's again."""
-        self._unwrap(trainer)
+        """The strategy, connectors, callbacks and signal handlers are what they were before ``setup``."""
+        self._undo(trainer)
 
-    def _unwrap(self, trainer: pl.Trainer) -> None:
-        for obj in (trainer.strategy, compat.checkpoint_connector(trainer), *trainer.callbacks):
+    def _undo(self, trainer: pl.Trainer) -> None:
+        connectors = (compat.checkpoint_connector(trainer), compat.signal_connector(trainer))
+        for obj in (trainer.strategy, *connectors, *trainer.callbacks):
             unwrap(obj)
+        if self.manager is not None:
+            self.manager.schedule.uninstall()
 
-    def _save_step(self, trainer: pl.Trainer) -> None:
-        if self.manager is None or (trainer.current_epoch + 1) % self.every_n_epochs:
+    def _end_step(self, trainer: pl.Trainer) -> None:
+        """Once per optimizer step, not per micro-batch (a step boundary needs the gradient all-reduce between two),
+        on every rank: a background write that failed is raised on every rank
+        (:func:`~ranksafe.async_save.poll_savers`), then the manager decides whether to save this step and whether
+        the ranks stop here. One store read per notice that can be posted (failures, time interval, preemption)
+        while nothing is."""
+        step = trainer.global_step
+        if step == self._polled_step:
             return
+        self._polled_step = step
+        savers = [self._io.saver] if self._io is not None else []
+        if self._async_manager:
+            savers.append(self.manager.saver)  # type: ignore[union-attr]
+        if savers:
+            poll_savers(savers)
+        if self.manager is None:
+            return
+        if self.manager.should_save(step) and not self._stopping:
+            self._save(trainer)
+        if self.manager.preempted:
+            self._stop(trainer)
+
+    def _end_epoch(self, trainer: pl.Trainer) -> None:
+        """Every ``every_n_epochs``-th epoch's save; none after a preemption (its step is saved, and a checkpoint of
+        the epoch cut short would resume at the next one, skipping the rest of this one)."""
+        if self.manager is None or self.every_n_epochs is None or self.manager.preempted:
+            return
+        if (trainer.current_epoch + 1) % self.every_n_epochs == 0:
+            self._save(trainer)
+
+    def _save(self, trainer: pl.Trainer) -> None:
         checkpoint = compat.checkpoint_connector(trainer).dump_checkpoint(weights_only=False)
         sharded = for_dcp(checkpoint)
         if sharded is None:
@@ -292,6 +407,25 @@ class RankSafe(Callback):
         shards = {"state_dict": sharded.pop("state_dict")}
         shards.update({f"optimizer_{i}": s for i, s in enumerate(sharded.pop("optimizer_states", []))})
         self.manager.save(trainer.global_step, shards, extra_files={compat.SHARDED_METADATA: sharded})
+
+    def _stop(self, trainer: pl.Trainer) -> None:
+        """After the preemption step's save, on every rank: wait for its commit, requeue the SLURM job if asked,
+        and stop. Asked again (a loop that ``min_epochs`` or ``min_steps`` keeps going), only the stop request."""
+        if not self._stopping:
+            self._stopping = True
+            if self._async_manager:
+                self.manager.wait()  # type: ignore[union-attr]  # this writer's commit; check() hears of every writer's
+                self.manager.check()  # type: ignore[union-attr]
+            if self._requeue is not None and self._requeue_asked() and trainer.is_global_zero:
+                requeue()
+        trainer.should_stop = True
+
+    def _requeue_asked(self) -> bool:
+        """Whether any rank received the requeue signal (as in Lightning, a SIGTERM alone stops without requeue:
+        ``scancel`` sends it); collective."""
+        received = self.manager.schedule.signals.received  # type: ignore[union-attr]
+        asked = received is not None and received == self._requeue.signal  # type: ignore[union-attr]
+        return bool(agree(asked, "any", name="SLURM requeue", timeout=self.timeout))
 
     # -- what the wrapped methods run (``original`` is the method they replace) ------------------------
     def _together(self, name: str, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -385,7 +519,17 @@ class RankSafe(Callback):
         mine = trainer.is_global_zero and (self._io.writing(filepath) or exists(filepath))  # type: ignore[union-attr]
         return trainer.strategy.reduce_boolean_decision(bool(mine), all=False)
 
-    def _then_save_step(self, original: Callable[..., Any], trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _then_end_step(self, original: Callable[..., Any], trainer: pl.Trainer, *args: Any) -> None:
+        """The last monitoring callback's ``on_train_batch_end``, then the end of this optimizer step."""
+        original(trainer, *args)
+        self._end_step(trainer)
+
+    def _then_end_epoch(self, original: Callable[..., Any], trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The last monitoring callback's ``on_train_epoch_end``, then this epoch's manager step."""
         original(trainer, pl_module)
-        self._save_step(trainer)
+        self._end_epoch(trainer)
+
+    def _register_signals(self, original: Callable[..., Any]) -> None:
+        """The signal connector's ``register_signal_handlers``, for a fit with preemption: the manager's handlers
+        instead of Lightning's (which ``original`` would install)."""
+        self.manager.schedule.install()  # type: ignore[union-attr]

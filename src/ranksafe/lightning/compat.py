@@ -39,3 +39,25 @@ the same name, so the layout is Lightning's own."""
 def checkpoint_connector(trainer: pl.Trainer) -> Any:
     """The Trainer's checkpoint connector (see :data:`CHECKPOINT_CONNECTOR`)."""
     return getattr(trainer, CHECKPOINT_CONNECTOR)
+
+
+SIGNAL_CONNECTOR = "_signal_connector"
+"""``Trainer._signal_connector``: its ``register_signal_handlers()``, called by every stage right before it runs,
+installs Lightning's SIGTERM handler and, with ``SLURMEnvironment(auto_requeue=True)``, the requeue handler that saves
+from inside the signal handler. No flag turns either off; ``RankSafe(preemption=True)`` replaces the call for one
+``fit``, so that the checkpoint manager's handlers are the only ones."""
+
+ACCELERATOR_CONNECTOR = "_accelerator_connector"
+"""``Trainer._accelerator_connector.cluster_environment``: the environment Lightning's signal connector reads to
+decide on a SLURM requeue. The strategy offers it only when it is a parallel one; a one-process SLURM job has it here
+alone."""
+
+
+def signal_connector(trainer: pl.Trainer) -> Any:
+    """The Trainer's signal connector (see :data:`SIGNAL_CONNECTOR`)."""
+    return getattr(trainer, SIGNAL_CONNECTOR)
+
+
+def cluster_environment(trainer: pl.Trainer) -> Any:
+    """The cluster environment Lightning's signal handling reads (see :data:`ACCELERATOR_CONNECTOR`)."""
+    return getattr(trainer, ACCELERATOR_CONNECTOR).cluster_environment
