@@ -76,6 +76,11 @@ def _refuse_without_dir(checkpoint_dir: Any, **options: Any) -> None:
             raise ValueError(f"RankSafe({name}=...) needs a checkpoint_dir to save into")
 
 
+def _weights_only(weights_only: bool | None) -> dict[str, Any]:
+    """``weights_only`` for Lightning's loaders, passed only when set (Lightning before 2.6 takes no such argument)."""
+    return {} if weights_only is None else {"weights_only": weights_only}
+
+
 def _async_io(trainer: pl.Trainer) -> RankSafeCheckpointIO | None:
     """The strategy's RankSafeCheckpointIO if it saves in the background, also inside ``AsyncCheckpointIO``."""
     io = trainer.strategy.checkpoint_io
@@ -447,8 +452,8 @@ class RankSafe(Callback):
         if step is not None:
             return self.manager.load(step, weights_only=weights_only)  # type: ignore[union-attr]
         if not _shared():
-            return original(checkpoint_path, weights_only=weights_only)
-        return self._together("Trainer.load_checkpoint", original, checkpoint_path, weights_only=weights_only)
+            return original(checkpoint_path, **_weights_only(weights_only))
+        return self._together("Trainer.load_checkpoint", original, checkpoint_path, **_weights_only(weights_only))
 
     def _load_sharded(self, trainer: pl.Trainer, step: int, weights_only: bool | None) -> dict[str, Any]:
         """A step of sharded state into the strategy's model and optimizers, in place, resharded to this run; returns
@@ -490,7 +495,7 @@ class RankSafe(Callback):
             checkpoint_path = chosen
         if checkpoint_path is None and self.resume and trainer.state.fn == TrainerFn.FITTING:
             checkpoint_path = self.latest_checkpoint()
-        return original(checkpoint_path, weights_only)
+        return original(checkpoint_path, **_weights_only(weights_only))
 
     def _holding_locks(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """The optimizer step, holding the write side of the snapshot locks: no snapshot sees weights mid-update."""
