@@ -216,7 +216,7 @@ def _ddp_with_ranksafe(rank, root):
     before = params(learn)
     learn.add_cb(pickles)
     with learn.no_bar(), learn.no_logging(), learn.distrib_ctx(sync_bn=False):
-        learn.lr_find(num_it=6, show_plot=False)
+        learn.lr_find(num_it=12, stop_div=False, show_plot=False)  # fastai's valley needs >5 points
     learn.remove_cb(pickles)
     out["lr_find"] = {"restored": params(learn) == before, "models": sorted(os.listdir(os.path.join(root, "models")))}
     out["pickled"]["lr_find"] = pickles.copies
