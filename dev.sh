@@ -56,18 +56,17 @@ case "$job" in
   compat)
     # The integration tests against the oldest and the newest lightning and fastai that pyproject.toml allows,
     # each in a venv of its own under .venv-compat/ (kept between runs). Not part of `test`: each venv takes
-    # minutes to set up. `bash dev.sh compat lightning oldest` runs one of the four.
+    # minutes to set up. `bash dev.sh compat lightning oldest` runs one of the four, `... fastai 2.8.10` a version.
     setup "$@"
     status=0
     for package in lightning fastai; do
       [[ -n ${2:-} && $2 != "$package" ]] && continue
-      for which in oldest newest; do
-        [[ -n ${3:-} && $3 != "$which" ]] && continue
+      for which in ${3:-oldest newest}; do  # or one of them, or a version number
         venv=.venv-compat/$package-$which
         echo "== $package ($which) in $venv"
         version=$("$VENV/bin/python" requirements/compat.py "$venv" "$package" "$which" | tail -1)
         echo "== $version"
-        if [[ $package == lightning ]]; then tests=(tests/test_lightning*.py); else tests=(tests/test_fastai*.py); fi
+        if [[ $package == lightning ]]; then tests=(tests/test_*lightning*.py); else tests=(tests/test_*fastai*.py); fi
         if "$venv/bin/python" -m pytest -q -p no:cacheprovider "${tests[@]}"; then
           echo "== PASS $version"
         else

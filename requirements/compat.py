@@ -74,7 +74,8 @@ def main(venv: str, package: str, which: str) -> None:
     pip(python, "--no-warn-conflicts", *TEST_TOOLS, "-e", str(ROOT), TORCH.split("+")[0])
     if package == "fastai":
         pip(python, "--no-deps", "--upgrade", spec)
-        pip(python, "--no-warn-conflicts", *requires(python, spec), TORCH.split("+")[0])
+        # accelerate: fastai.distributed imports it, and fastai's metadata does not list it (our extra does)
+        pip(python, "--no-warn-conflicts", *requires(python, spec), "accelerate", TORCH.split("+")[0])
     else:
         pip(python, "--upgrade", spec, TORCH.split("+")[0])
     version = subprocess.run(
