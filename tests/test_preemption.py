@@ -42,6 +42,46 @@ def test_signals_are_recorded_chained_and_put_back():
         signal.signal(signal.SIGUSR1, previous)
 
 
+_HANDLERS_OF_TWO = """
+import os, signal, sys, time
+from ranksafe.preemption import Signals
+first, second = Signals([signal.SIGTERM]), Signals([signal.SIGTERM])
+first.install(); second.install()
+for s in {order}:
+    s.uninstall()
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(1)
+print("alive")
+"""
+
+
+@pytest.mark.parametrize("order", ["first, second", "second, first"])
+def test_two_recorders_uninstalled_in_any_order_leave_the_default_action(order):
+    """Two managers with preemption, closed in either order: SIGTERM ends the process again, as before them."""
+    code = _HANDLERS_OF_TWO.format(order=f"({order})")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == -signal.SIGTERM, (done.returncode, done.stdout, done.stderr)
+
+
+def test_a_signal_that_cannot_be_handled_installs_none():
+    signals = Signals((signal.SIGUSR2, signal.SIGKILL))
+    with pytest.raises(OSError):
+        signals.install()
+    assert not signals.installed and signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL
+
+
+def test_a_step_rule_save_restarts_the_seconds_interval():
+    now = [0.0]
+    schedule = SaveSchedule(every_steps=10, every_seconds=10, clock=lambda: now[0])
+    saved = []
+    for step in range(21):
+        now[0] = float(step)  # the interval ends at the step the step rule saves: one save there, not two
+        if schedule.should_save(step):
+            schedule.saved()
+            saved.append(step)
+    assert saved == [0, 10, 20]
+
+
 def test_a_single_process_schedule():
     now = [0.0]
     schedule = SaveSchedule(every_steps=5, every_seconds=10, preemption=True, clock=lambda: now[0])

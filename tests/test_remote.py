@@ -75,6 +75,10 @@ def test_a_url_without_a_file_system_is_refused_before_anything_is_written(tmp_p
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match=r"gs://bucket/m.pth \(rank 0\): no file system for gs://"):
         ranksafe.save({"w": 1}, "gs://bucket/m.pth")
+    with pytest.raises(ValueError, match=r"file://otherhost/m.pth \(rank 0\): a file:// URL names a file on this"):
+        ranksafe.save({"w": 1}, "file://otherhost/m.pth")  # fsspec would write ./otherhost/m.pth
+    with pytest.raises(ValueError, match=r"file://otherhost/run \(rank 0\)"):
+        ranksafe.CheckpointManager("file://otherhost/run")
     assert os.listdir(tmp_path) == []
 
 
@@ -189,6 +193,7 @@ def _manager_on_s3(rank, root):
         ranksafe.CheckpointManager("memory://per-process").warmup()
     except FileNotFoundError as e:
         out["memory"] = str(e)
+    out["memory left"] = fsspec.filesystem("memory").find("/per-process")  # the probe is gone
     return out
 
 
@@ -202,6 +207,7 @@ def test_manager_on_s3_on_two_ranks(s3):
         assert out["failed put"].startswith("RankFailure[FileNotFoundError]: checkpoint 1: commit failed on rank 0")
         assert "cannot save step 1: s3://ckpt-gone/run/step_00000001/state.pt (rank 0)" in out["failed put"]
         assert "memory://per-process (rank 1) does not see what rank 0 wrote" in out["memory"]
+        assert out["memory left"] == []
     assert [s.step for s in ranksafe.list_steps("s3://ckpt/two")] == [2, 3]
 
 

@@ -75,10 +75,17 @@ def _metrics_differ(rank, root):
     mgr = ranksafe.CheckpointManager(root, keep=1, best_metric="val_loss", keep_best=1)
     for step in (1, 2, 3):  # rank 0 finds step 2 best, rank 1 step 3: rank 0's metrics decide for every node
         mgr.save(step, {"w": torch.ones(1)}, metrics={"val_loss": [[9, 1, 5], [9, 5, 1]][rank][step - 1]})
-    return sorted(s.step for s in ranksafe.list_steps(root))
+    try:  # a metric that is no number, on rank 1 only: every rank fails at once, none waits for the others
+        mgr.save(4, {"w": torch.ones(1)}, metrics={"val_loss": [0.5, None][rank]})
+        failed = None
+    except Exception as e:
+        failed = f"{type(e).__name__}: {e}"
+    return sorted(s.step for s in ranksafe.list_steps(root) if s.status == "committed"), failed
 
 
 def test_every_rank_records_rank_0s_metrics(tmp_path):
     values = run_ranks(_metrics_differ, 2, args=(str(tmp_path),), timeout=90).values
-    assert values == [[2, 3], [2, 3]]
+    assert [steps for steps, _ in values] == [[2, 3], [2, 3]]  # and no step 4
+    for _, failed in values:
+        assert failed and "rank 1" in failed and "NoneType" in failed, failed
     assert ranksafe.verify_step(tmp_path / "step_00000003")["metrics"] == {"val_loss": 5.0}

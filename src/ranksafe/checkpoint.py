@@ -260,14 +260,17 @@ class CheckpointManager:
                 self._saver.staging.capture(example_state if shards is None else shards)
         if isinstance(self._base, Remote):
             name = broadcast(None if probe is None else probe.name, name="checkpoint warmup: probe")
-            with together(f"checkpoint {self.root}: warmup, seen by every rank", self.timeout):
-                if not self._base.child(name).exists():
-                    raise FileNotFoundError(
-                        f"{remote.where(self.root)} does not see what rank 0 wrote there: remote storage must be the "
-                        "same for every rank (memory:// lives in one process)"
-                    )
-            if probe is not None:
-                probe.remove()
+            try:
+                with together(f"checkpoint {self.root}: warmup, seen by every rank", self.timeout):
+                    if not self._base.child(name).exists():
+                        raise FileNotFoundError(
+                            f"{remote.where(self.root)} does not see what rank 0 wrote there: remote storage must be"
+                            " the same for every rank (memory:// lives in one process)"
+                        )
+            finally:  # once every rank looked; a probe left behind harms nothing, so its removal fails no rank
+                if probe is not None:
+                    with contextlib.suppress(OSError):
+                        probe.remove()
 
     # -- saving ---------------------------------------------------------------------------------------
 
@@ -304,7 +307,6 @@ class CheckpointManager:
         writer_files = dict(writer_files or {})
         for name in writer_files:
             check_name(name, "file name")
-        metrics = {k: float(v) for k, v in (metrics or {}).items()}
         where = self.placement
         if shards is not None:
             require_shared(where, self.root)  # the placement is agreed: every rank raises alike
@@ -315,6 +317,7 @@ class CheckpointManager:
         commit = step_commit(self._place(step))
         with together(f"checkpoint {step}: create", self.timeout):
             refuse_sharded(writer_files, f"checkpoint {step}")  # every rank: the writers write theirs whole
+            metrics = {k: float(v) for k, v in (metrics or {}).items()}  # a bad value on any rank fails every rank
             if where.writer:
                 self._clean_debris()
                 commit.create()
@@ -593,7 +596,8 @@ class CheckpointManager:
         """Wait for the commit in flight, then :meth:`check`; collective. Call it at the end of training.
 
         Afterwards no thread of this manager is running, and the preemption signals are handled as they were before
-        it. The manager stays usable. Its exchange is named apart from :meth:`check`'s: a rank that stopped early
+        it. The manager stays usable for saves and loads, but no longer records preemption signals: a new manager
+        handles the next run's. Its exchange is named apart from :meth:`check`'s: a rank that stopped early
         and closes, while another checks at its next epoch, is a :class:`~ranksafe.CollectiveMismatch` on both
         instead of a pair that lets the other go on alone.
         """

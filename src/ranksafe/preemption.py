@@ -32,34 +32,53 @@ class Signals:
         self.signals = tuple(signal.Signals(s) for s in signals)
         self.received: signal.Signals | None = None
         self._previous: dict[signal.Signals, Any] = {}
+        self._recording = False
 
     @property
     def installed(self) -> bool:
-        return bool(self._previous)
+        return self._recording
 
     def install(self) -> None:
-        """Handle the signals from now on; idempotent. Raises ``RuntimeError`` off the main thread."""
-        if self._previous:
+        """Handle the signals from now on; idempotent, all or none. Raises ``RuntimeError`` off the main thread,
+        and what ``signal.signal`` raises for a signal that cannot be handled (``SIGKILL``)."""
+        if self._recording:
             return
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("preemption signals can only be handled from the main thread")
-        for s in self.signals:
-            self._previous[s] = signal.signal(s, self._handle)
+        self._previous = {}
+        try:
+            for s in self.signals:
+                self._previous[s] = signal.signal(s, self._handle)
+        except BaseException:
+            self._recording = True
+            self.uninstall()
+            raise
+        self._recording = True
 
     def uninstall(self) -> None:
-        """Put the handlers back that :meth:`install` replaced (those still ours); idempotent."""
+        """Stop recording, and put back the handlers :meth:`install` replaced where ours is still the one installed;
+        idempotent. Where a later handler replaced ours, ours keeps passing signals on to what it replaced (that
+        handler may chain to ours, or put ours back when it is uninstalled in turn)."""
         for s, previous in self._previous.items():
-            if signal.getsignal(s) == self._handle:
+            if previous is not None and signal.getsignal(s) == self._handle:  # None: installed outside Python
                 signal.signal(s, previous)
-        self._previous = {}
+        self._recording = False
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.received is None:
-            self.received = signal.Signals(signum)
-        previous = self._previous.get(signal.Signals(signum))
+        received = signal.Signals(signum)
+        previous = self._previous.get(received)
+        if self._recording:
+            if self.received is None:
+                self.received = received
+        elif previous is not None and signal.getsignal(received) == self._handle:
+            # uninstalled under a later handler, which has since put ours back: hand over to what ours replaced
+            signal.signal(received, previous)
+            if previous == signal.SIG_DFL:
+                signal.raise_signal(received)  # what would have happened without us: the process ends
+                return
         if callable(previous):
             previous(signum, frame)
 
     def __getstate__(self) -> dict[str, Any]:
         """Handlers belong to a process: a copy (a pickled Trainer, a spawned worker) starts without them."""
-        return {"signals": self.signals, "received": None, "_previous": {}}
+        return {"signals": self.signals, "received": None, "_previous": {}, "_recording": False}

@@ -77,6 +77,8 @@ class Remote:
         scheme, url = split(url)
         if scheme is None:
             raise ValueError(f"{where(url)} is a local path, not a URL")
+        if scheme == "file":  # fsspec would take the host for a folder of the current directory
+            raise ValueError(f"{where(url)}: a file:// URL names a file on this host (file:///path), not another")
         try:
             import fsspec
         except ImportError as e:  # pragma: no cover - fsspec is a dependency

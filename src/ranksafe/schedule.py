@@ -95,7 +95,7 @@ class SaveSchedule:
         if self.every_seconds is not None:
             if self._timer.poll() is not None:
                 save, self._posted["timer"] = True, False
-            elif self._interval_over():
+            elif not save and self._interval_over():  # a step-rule save restarts the interval anyway
                 self._timer.post(step)
                 self._posted["timer"] = True
         save = self.reached_preemption(step) or save
