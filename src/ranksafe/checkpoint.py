@@ -596,10 +596,10 @@ class CheckpointManager:
         """Wait for the commit in flight, then :meth:`check`; collective. Call it at the end of training.
 
         Afterwards no thread of this manager is running, and the preemption signals are handled as they were before
-        it. The manager stays usable for saves and loads, but no longer records preemption signals: a new manager
-        handles the next run's. Its exchange is named apart from :meth:`check`'s: a rank that stopped early
-        and closes, while another checks at its next epoch, is a :class:`~ranksafe.CollectiveMismatch` on both
-        instead of a pair that lets the other go on alone.
+        it. The manager stays usable; it records preemption signals again once ``manager.schedule.install()`` is
+        called (the fastai and Lightning callbacks call it at the start of each fit). Its exchange is named apart
+        from :meth:`check`'s: a rank that stopped early and closes, while another checks at its next epoch, is a
+        :class:`~ranksafe.CollectiveMismatch` on both instead of a pair that lets the other go on alone.
         """
         self.schedule.uninstall()
         if self._saver is not None:
