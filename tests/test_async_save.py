@@ -181,6 +181,29 @@ def _failing_writer(gate: threading.Event):
     return write
 
 
+def test_an_action_added_while_the_writer_runs_earlier_ones_queues_behind_them(tmp_path):
+    """Two links of ``last.ckpt`` once raced here: the write had committed, so a second action ran at once on the
+    training thread while the writer thread still ran the first. Actions run one after another, in order."""
+    saver, gate, started, release, ran = AsyncSaver(), threading.Event(), threading.Event(), threading.Event(), []
+
+    def first():
+        ran.append(("first starts", threading.current_thread().name))
+        started.set()
+        release.wait(10)
+        ran.append(("first ends", threading.current_thread().name))
+
+    assert saver.submit(_state(n=2), _gated_writer(gate, str(tmp_path / "m.pt")))
+    assert saver.after_commit(first)  # queued: the write waits at the gate
+    gate.set()
+    assert started.wait(10)  # the write committed; the writer thread is inside the first action
+    assert saver.after_commit(lambda: ran.append(("second", threading.current_thread().name)))
+    release.set()
+    saver.wait()
+    assert [what for what, _ in ran] == ["first starts", "first ends", "second"], ran
+    assert {thread for _, thread in ran} != {"MainThread"}
+    saver.close()
+
+
 def test_after_commit_waits_for_the_write_in_flight_and_is_dropped_when_it_fails(tmp_path):
     """Removing the previous checkpoint right after submitting the next one (the naive order) leaves no checkpoint
     when the write fails; ``after_commit`` removes it only once the new one is committed, and never after a failure."""

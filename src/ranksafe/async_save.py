@@ -135,12 +135,21 @@ class _AfterCommit:
         with self._lock:
             self.state, self._actions = WriteState.IN_FLIGHT, []
 
-    def settle(self, committed: bool) -> list[Callable[[], None]]:
-        """Record the write's outcome; return the actions to run now (none when it failed)."""
+    def next_or_settle(self) -> Callable[[], None] | None:
+        """After the commit: the next waiting action, in the order they came, or None once none is left, and
+        then the write counts as committed. Until then a new action queues behind the others: run at once on
+        the training thread, it would race the writer thread's (two links of ``last.ckpt``)."""
+        with self._lock:
+            if self._actions:
+                return self._actions.pop(0)
+            self.state = WriteState.COMMITTED
+            return None
+
+    def settle(self, committed: bool) -> None:
+        """Record the write's outcome, dropping the actions still waiting (it failed, or an action did)."""
         with self._lock:
             self.state = WriteState.COMMITTED if committed else WriteState.FAILED
-            actions, self._actions = self._actions, []
-        return actions if committed else []
+            self._actions = []
 
 
 class AsyncSaver:
@@ -320,14 +329,12 @@ class AsyncSaver:
         try:
             result = write_fn(captured.assemble())  # assembled here: the caller is not kept waiting for it
             committed = True
-            waiting = self._after_commit.settle(committed=True)
             for cb in callbacks:
                 cb(result)
-            for action in waiting:
+            while (action := self._after_commit.next_or_settle()) is not None:
                 action()
         except BaseException as e:
-            if not committed:
-                self._after_commit.settle(committed=False)
+            self._after_commit.settle(committed)
             self._record(e)
         finally:
             self._idle.set()
