@@ -104,6 +104,9 @@ def main() -> None:
         result = {"seen": probe.seen, "ckpt_path": trainer.ckpt_path and str(trainer.ckpt_path), "steps": steps}
         with open(os.path.join(args.out, "rank0.json"), "w") as f:
             json.dump(result, f)
+    # a process group left to interpreter exit sometimes aborts in C++ ("terminate called without an active
+    # exception"), with stock Lightning too: end it, as a training script should
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
