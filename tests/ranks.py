@@ -13,10 +13,12 @@ import os
 import pickle
 import socket
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 LAUNCH_VARS = (
@@ -164,3 +166,23 @@ def run_ranks(
             res.hung, res.exitcode = hung, p.exitcode
             results.append(res)
     return Ranks(results, time.monotonic() - start)
+
+
+def signal_when_at_step(root: str | os.PathLike, rank: int, at_step: int, sig: int) -> threading.Thread:
+    """From outside, as a cluster does: send ``sig`` to ``rank``'s process once it reported ``at_step`` (it writes
+    its pid to ``root/pid-RANK`` and each finished step to ``root/step-RANK``). Gives up after two minutes."""
+
+    def send() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if int(Path(root, f"step-{rank}").read_text() or -1) >= at_step:
+                    os.kill(int(Path(root, f"pid-{rank}").read_text()), sig)
+                    return
+            except (FileNotFoundError, ValueError):
+                pass
+            time.sleep(0.002)
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    return thread

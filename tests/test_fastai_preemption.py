@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import pickle
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from fastai.torch_core import set_seed
 import ranksafe
 from ranksafe.checkpoint import list_steps
 from ranksafe.fastai import RankSafe, RankSafeLearner, load_learner
-from tests.ranks import run_ranks
+from tests.ranks import run_ranks, signal_when_at_step
 from tests.test_fastai import Lin, params, tabular_dls
 
 EPOCHS = 4
@@ -113,25 +112,6 @@ def _second_launch(rank, root):
         _fit_one_cycle(rank, Path(root), name, seed=10 + rank, preemption=True, resume=True)
 
 
-def _signal_when(root: Path, rank: int, at_step: int, sig: int) -> threading.Thread:
-    """From outside, as a cluster does: send ``sig`` to ``rank``'s process once it reported ``at_step``."""
-
-    def send() -> None:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if int((root / f"step-{rank}").read_text() or -1) >= at_step:
-                    os.kill(int((root / f"pid-{rank}").read_text()), sig)
-                    return
-            except (FileNotFoundError, ValueError):
-                pass
-            time.sleep(0.002)
-
-    thread = threading.Thread(target=send, daemon=True)
-    thread.start()
-    return thread
-
-
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory) -> tuple[Path, dict, dict, object]:
     """Two launches of 2 ranks: the first (preempted runs, then the control), the second (reference, resumed runs).
@@ -140,7 +120,7 @@ def launches(tmp_path_factory) -> tuple[Path, dict, dict, object]:
     senders = []
     for name in ("one", "stock"):  # rank 1, in epoch 1 (after its batch 2)
         (root / name).mkdir()
-        senders.append(_signal_when(root / name, 1, 8, signal.SIGTERM))
+        senders.append(signal_when_at_step(root / name, 1, 8, signal.SIGTERM))
 
     def results(names) -> dict:
         return {n: [pickle.loads((root / n / f"result-{r}.pkl").read_bytes()) for r in range(2)] for n in names}

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import torch.distributed as dist
 import ranksafe
 from ranksafe.preemption import Signals
 from ranksafe.schedule import SaveSchedule
-from tests.ranks import LAUNCH_VARS, free_port, run_ranks
+from tests.ranks import LAUNCH_VARS, free_port, run_ranks, signal_when_at_step
 
 TOTAL = 60  # steps of the schedule
 EVERY = 20  # periodic saves
@@ -138,25 +137,6 @@ def _train(rank, root, signal_at, async_save):
     return {"trained": trained, "stopped": step, "preempted": mgr.preempted, "latest": mgr.latest()}
 
 
-def _signal_when(root: Path, rank: int, at_step: int, sig: int) -> threading.Thread:
-    """From outside, as a cluster does: send ``sig`` to ``rank``'s process once it reported ``at_step``."""
-
-    def send() -> None:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if int(Path(root, f"step-{rank}").read_text() or -1) >= at_step:
-                    os.kill(int(Path(root, f"pid-{rank}").read_text()), sig)
-                    return
-            except (FileNotFoundError, ValueError):
-                pass
-            time.sleep(0.002)
-
-    thread = threading.Thread(target=send, daemon=True)
-    thread.start()
-    return thread
-
-
 def _stopped_together_and_committed(values: list[dict]) -> int:
     stopped = {v["stopped"] for v in values}
     assert len(stopped) == 1, f"every rank must stop at the same step: {values}"
@@ -168,7 +148,7 @@ def _stopped_together_and_committed(values: list[dict]) -> int:
 
 
 def test_a_signal_to_one_rank_stops_every_rank_at_one_committed_step_and_a_relaunch_finishes(tmp_path):
-    sender = _signal_when(tmp_path, 1, 25, signal.SIGTERM)
+    sender = signal_when_at_step(tmp_path, 1, 25, signal.SIGTERM)
     first = run_ranks(_train, 2, args=(str(tmp_path), {}, False), timeout=120).values
     sender.join(1)
     stop = _stopped_together_and_committed(first)
@@ -205,7 +185,7 @@ def _stock(rank, root):
 
 
 def test_stock_control_loses_the_steps_since_the_last_periodic_save(tmp_path):
-    sender = _signal_when(tmp_path, 1, 25, signal.SIGTERM)
+    sender = signal_when_at_step(tmp_path, 1, 25, signal.SIGTERM)
     ranks = run_ranks(_stock, 2, args=(str(tmp_path),), env={"TEST_PG_TIMEOUT": "5"}, timeout=60)
     sender.join(1)
     assert ranks[1].exitcode == -signal.SIGTERM and not ranks[0].ok  # killed; the other fails in the all-reduce
@@ -235,7 +215,7 @@ def test_under_torchrun_a_signalled_worker_and_its_peer_exit_normally_at_one_com
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
         str(script), str(tmp_path), str(Path(__file__).parent.parent),
     ]  # fmt: skip
-    sender = _signal_when(tmp_path, 0, 25, signal.SIGTERM)
+    sender = signal_when_at_step(tmp_path, 0, 25, signal.SIGTERM)
     done = subprocess.run(cmd, env=env, timeout=180, capture_output=True, text=True)
     sender.join(1)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
