@@ -262,6 +262,7 @@ def _two_ranks(rank, root, step2):
     background.save(12, {"app": _App(model, opt), f"r{rank}": _FailsWhenPickled(1)})
     out["background failure"] = _failure(background.close)
     out["after failures"] = (background.latest(), sorted(os.listdir(root)))
+    ranksafe.barrier("listed")  # else rank 0 may stage step 4 before rank 1 lists the root
     out["step 4"] = _attempt(lambda: manager.save(4, {"app": _App(model, opt), f"r{rank}": _KillWhenPickled(0)}))
     return out
 
