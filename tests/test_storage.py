@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import re
 
 import pytest
 import torch
@@ -129,7 +130,7 @@ def test_explicit_storage_overrides_the_probe_without_collectives(tmp_path):
 
 
 def test_unknown_storage_is_rejected():
-    with pytest.raises(ValueError, match="storage must be"):
+    with pytest.raises(ValueError, match=re.escape("Storage takes 'auto', 'shared', 'local', not 'nfs'")):
         storage.placement("/tmp", "nfs")
 
 

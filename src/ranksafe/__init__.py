@@ -4,10 +4,10 @@ One writer, a barrier inside load, decisions every rank agrees on, atomic files,
 rank raised on every rank instead of a hang.
 """
 
-from .async_save import AsyncSaver
+from .async_save import AsyncSaver, BusyPolicy
 from .checkpoint import CheckpointManager
-from .collectives import abort, abort_on_error, agree, all_gather, barrier, broadcast, main_first, together
-from .commit import list_steps, verify_step
+from .collectives import AgreeOp, abort, abort_on_error, agree, all_gather, barrier, broadcast, main_first, together
+from .commit import StepStatus, list_steps, verify_step
 from .errors import (
     BarrierTimeout,
     CollectiveMismatch,
@@ -18,15 +18,20 @@ from .errors import (
 )
 from .files import atomic_save, atomic_write, load_file, verify_file
 from .lock import StateDictLock
-from .saving import load, prepare_dir, save
+from .retention import BestMode
+from .saving import Writer, load, prepare_dir, save
 from .snapshot import Captured, StagingBuffers
+from .storage import Storage, StorageKind
 from .topology import is_local_main, is_main, local_rank, node_rank, rank, world_size
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AgreeOp",
     "AsyncSaver",
     "BarrierTimeout",
+    "BestMode",
+    "BusyPolicy",
     "Captured",
     "CheckpointManager",
     "CollectiveMismatch",
@@ -35,7 +40,11 @@ __all__ = [
     "RankSafeError",
     "StagingBuffers",
     "StateDictLock",
+    "StepStatus",
+    "Storage",
+    "StorageKind",
     "UntrustedCheckpoint",
+    "Writer",
     "abort",
     "abort_on_error",
     "agree",

@@ -24,9 +24,10 @@ import weakref
 from collections.abc import Callable, Iterable, Sequence
 from enum import Enum
 from queue import SimpleQueue
-from typing import Any, Literal
+from typing import Any
 
 from . import remote, topology
+from .choice import Choice
 from .collectives import StepNotice, share_outcome, together
 from .errors import BarrierTimeout, CollectiveMismatch, Failure, rank_failure
 from .files import atomic_save, local_path, make_dirs, probe_write
@@ -35,7 +36,14 @@ from .saving import Writer, error_naming_target, is_writer
 from .sharded import refuse_sharded
 from .snapshot import Captured, StagingBuffers
 
-Policy = Literal["wait", "skip"]
+
+class BusyPolicy(Choice):
+    """What :meth:`AsyncSaver.save` does while the previous write still runs: ``wait`` for its commit, or ``skip``."""
+
+    WAIT = "wait"
+    SKIP = "skip"
+
+
 OnCommit = Callable[[Any], None]
 
 _live: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()
@@ -180,18 +188,15 @@ class AsyncSaver:
     def __init__(
         self,
         lock: StateDictLock | None = None,
-        policy: Policy = "wait",
+        policy: BusyPolicy | str = BusyPolicy.WAIT,
         on_commit: OnCommit | None = None,
-        writer: Writer = "main",
+        writer: Writer | str = Writer.MAIN,
         name: str = "async save",
     ) -> None:
-        if policy not in ("wait", "skip"):
-            raise ValueError(f"policy must be 'wait' or 'skip', not {policy!r}")
-        is_writer(writer)  # validates the name
         self.lock = lock
-        self.policy = policy
+        self.policy = BusyPolicy(policy)
         self.on_commit = on_commit
-        self.writer = writer
+        self.writer = Writer(writer)
         self.name = name
         self.staging = StagingBuffers()
         # the unreported failure, in a cell shared with a finalizer: a saver dropped unchecked still reports it
@@ -259,7 +264,7 @@ class AsyncSaver:
         atomically itself. Its return value goes to ``on_commit``. Same return value as :meth:`save`.
         """
         self._not_from_writer_thread("submit")
-        if self.writer != "all":  # on every rank, before the writers are picked: every rank raises alike
+        if self.writer is not Writer.ALL:  # on every rank, before the writers are picked: every rank raises alike
             refuse_sharded(state, self.name)
         if not is_writer(self.writer):
             return False
@@ -276,7 +281,7 @@ class AsyncSaver:
 
     def _submit(self, state: Any, write_fn: Callable[[Any], Any], callbacks: list[OnCommit]) -> bool:
         if self.in_flight:
-            if self.policy == "skip":
+            if self.policy is BusyPolicy.SKIP:
                 return False
             self._idle.wait()
         try:
@@ -420,7 +425,7 @@ class AsyncSaver:
         url = remote.is_url(directory)
         directory = remote.Remote.of(directory, storage_options).url if url else local_path(directory)
         with together(f"{self.name}: warmup {directory}"):
-            if self.writer != "all":
+            if self.writer is not Writer.ALL:
                 refuse_sharded(example_state, f"{self.name}: warmup {directory}")
             if is_writer(self.writer):
                 self.wait()

@@ -147,7 +147,7 @@ class CheckpointManager:
         self,
         root: str | os.PathLike,
         keep: int | None = 3,
-        storage: Storage = "auto",
+        storage: Storage | str = Storage.AUTO,
         prefix: str = "step_",
         timeout: float | None = None,
         async_save: bool = False,
@@ -156,7 +156,7 @@ class CheckpointManager:
         *,
         keep_period: int | None = None,
         best_metric: str | None = None,
-        best_mode: BestMode = "min",
+        best_mode: BestMode | str = BestMode.MIN,
         keep_best: int = 0,
         save_interval_steps: int | None = None,
         save_interval_seconds: float | None = None,
@@ -165,10 +165,9 @@ class CheckpointManager:
         self.retention = Retention(keep, keep_period, best_metric, best_mode, keep_best)
         self.schedule = SaveSchedule(save_interval_steps, save_interval_seconds, preemption, f"checkpoint {prefix}")
         check_name(prefix + "0", "step prefix")
-        if storage not in ("auto", "shared", "local"):
-            raise ValueError(f"storage must be 'auto', 'shared' or 'local', not {storage!r}")
+        storage = Storage(storage)
         if remote.is_url(root):
-            if storage == "local":
+            if storage is Storage.LOCAL:
                 raise ValueError(f"{remote.where(root)}: remote storage is shared by every rank, not storage='local'")
             self._base: Place = Remote.of(root, storage_options)
         else:

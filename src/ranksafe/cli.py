@@ -13,7 +13,7 @@ import sys
 import time
 
 from . import remote
-from .commit import MANIFEST, list_steps, verify_step
+from .commit import MANIFEST, StepStatus, list_steps, verify_step
 from .errors import CorruptCheckpoint, UntrustedCheckpoint
 from .files import load_file, verify_file
 
@@ -92,7 +92,7 @@ def ls(root: str, deep: bool) -> int:
             print(f"{'':>10}  {s.error}")
     if not steps:
         print(f"(no step directories under {root})")
-    return 1 if any(s.status == "corrupt" for s in steps) else 0
+    return 1 if any(s.status is StepStatus.CORRUPT for s in steps) else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,15 +37,15 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
 from . import topology
+from .choice import Choice
 from .errors import BarrierTimeout, CollectiveMismatch, Failure, RankFailure, rank_failure
 
 T = TypeVar("T")
-Op = Literal["all", "any", "max", "min", "sum", "mean", "main"]
 
 DEFAULT_TIMEOUT = 1800.0
 """Seconds a collective waits for the slowest rank (``RANKSAFE_TIMEOUT`` overrides it)."""
@@ -464,26 +464,37 @@ def _nan_aware(fn: Callable[[list], Any]) -> Callable[[list], Any]:
     return reduce
 
 
-_OPS: dict[str, Callable[[list], Any]] = {
-    "all": lambda vs: all(bool(v) for v in vs),
-    "any": lambda vs: any(bool(v) for v in vs),
-    "max": _nan_aware(max),
-    "min": _nan_aware(min),
-    "sum": _nan_aware(sum),
-    "mean": _nan_aware(lambda vs: sum(vs) / len(vs)),
-    "main": lambda vs: vs[0],
+class AgreeOp(Choice):
+    """How :func:`agree` combines the ranks' values."""
+
+    ALL = "all"
+    ANY = "any"
+    MAX = "max"
+    MIN = "min"
+    SUM = "sum"
+    MEAN = "mean"
+    MAIN = "main"
+
+
+_OPS: dict[AgreeOp, Callable[[list], Any]] = {
+    AgreeOp.ALL: lambda vs: all(bool(v) for v in vs),
+    AgreeOp.ANY: lambda vs: any(bool(v) for v in vs),
+    AgreeOp.MAX: _nan_aware(max),
+    AgreeOp.MIN: _nan_aware(min),
+    AgreeOp.SUM: _nan_aware(sum),
+    AgreeOp.MEAN: _nan_aware(lambda vs: sum(vs) / len(vs)),
+    AgreeOp.MAIN: lambda vs: vs[0],
 }
 
 
-def agree(value: Any, op: Op = "all", *, name: str = "", timeout: float | None = None) -> Any:
+def agree(value: Any, op: AgreeOp | str = AgreeOp.ALL, *, name: str = "", timeout: float | None = None) -> Any:
     """Combine ``value`` across ranks so that every rank gets the same answer.
 
     ``all``/``any`` for booleans, ``max``/``min``/``sum``/``mean`` for numbers (a NaN on any rank gives NaN
     on all), ``main`` for rank 0's value of any picklable object. Use it before any branch that decides
     whether ranks reach a collective: a new best?, stop?, retry?, does the file exist?
     """
-    if op not in _OPS:
-        raise ValueError(f"op must be one of {', '.join(_OPS)}, not {op!r}")
+    op = AgreeOp(op)
     if hasattr(value, "item") and callable(value.item):  # a 0-d tensor or numpy scalar
         value = value.item()
     return exchange(f"agree[{op}]:{name}", value, _OPS[op], timeout)

@@ -35,9 +35,10 @@ import time
 import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import IO, Any, Literal, Protocol
+from typing import IO, Any, Protocol
 
 from . import remote
+from .choice import Choice
 from .errors import CorruptCheckpoint
 from .files import TMP_SUFFIX, atomic_write, fsync_dir, local_path, make_dirs
 from .remote import Remote
@@ -46,7 +47,6 @@ MANIFEST = "MANIFEST.json"
 FORMAT = "ranksafe-step/1"
 _CHUNK = 8 << 20
 
-Status = Literal["committed", "incomplete", "corrupt"]
 Entry = tuple[int, int]  # size, crc32
 Place = str | Remote  # a local path, or a URL resolved to its file system
 
@@ -309,13 +309,22 @@ def verify_step(
     return manifest
 
 
+class StepStatus(Choice):
+    """A step directory as :func:`list_steps` finds it: ``committed`` (its manifest verifies), ``incomplete`` (no
+    manifest: a save in progress, or a crashed one) or ``corrupt`` (a file differs from the manifest)."""
+
+    COMMITTED = "committed"
+    INCOMPLETE = "incomplete"
+    CORRUPT = "corrupt"
+
+
 @dataclass(frozen=True)
 class StepInfo:
     """One step directory as :func:`list_steps` sees it."""
 
     step: int
     path: str
-    status: Status
+    status: StepStatus
     size: int  # bytes of the files found
     time: float  # commit time from the manifest, else the directory's modification time
     error: str | None = None
@@ -344,21 +353,21 @@ def list_steps(
             continue
         with contextlib.suppress(FileNotFoundError):
             out.append(_step_info(join(base, name), int(m.group(2)), bool(m.group(3)), deep))
-    return sorted(out, key=lambda s: (s.step, s.status != "committed"))
+    return sorted(out, key=lambda s: (s.step, s.status is not StepStatus.COMMITTED))
 
 
 def _step_info(place: Place, step: int, partial: bool, deep: bool) -> StepInfo:
     size = sum(_size(join(place, rel)) for rel in _walk(place))
-    status: Status = "committed"
+    status = StepStatus.COMMITTED
     error, when = None, _mtime(place)
     if partial or not _exists(join(place, MANIFEST)):
-        status = "incomplete"  # a save in progress, a crashed one, or a directory that never committed
+        status = StepStatus.INCOMPLETE  # a save in progress, a crashed one, or a directory that never committed
     else:
         try:
             written = verify_step(place, deep=deep).get("time")
             when = written if isinstance(written, (int, float)) else when
         except CorruptCheckpoint as e:
-            status, error = "corrupt", str(e)
+            status, error = StepStatus.CORRUPT, str(e)
     return StepInfo(step, name_of(place), status, size, when, error)
 
 

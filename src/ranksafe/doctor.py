@@ -21,7 +21,7 @@ from . import topology
 from .collectives import agree, all_gather, barrier, together
 from .errors import RankSafeError
 from .files import atomic_save, make_dirs
-from .storage import placement
+from .storage import StorageKind, placement
 
 
 def _init() -> bool:
@@ -84,9 +84,9 @@ def _report(root: str, megabytes: int) -> int:
     print(f"\n{root}: {where.kind}")
     if world == 1:
         verdict = "one process: nothing to compare it with; run under the launcher, as training does"
-    elif where.kind == "shared":
+    elif where.kind is StorageKind.SHARED:
         verdict = "every rank sees the same files: global rank 0 writes (writer='main', storage='shared')"
-    elif where.kind == "local":
+    elif where.kind is StorageKind.LOCAL:
         verdict = (
             "each node has its own copy: the local rank 0 of every node writes (writer='local', storage='local'); "
             "a file written by rank 0 alone would be missing on the other nodes"

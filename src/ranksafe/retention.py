@@ -8,9 +8,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Literal
 
-BestMode = Literal["min", "max"]
+from .choice import Choice
+
+
+class BestMode(Choice):
+    """Which end of ``best_metric`` is best: the lowest (``min``, a loss) or the highest (``max``, an accuracy)."""
+
+    MIN = "min"
+    MAX = "max"
 
 
 def _positive(name: str, value: int | None, allow_none: bool = True) -> None:
@@ -34,7 +40,7 @@ class Retention:
     keep: int | None = 3
     keep_period: int | None = None
     best_metric: str | None = None
-    best_mode: BestMode = "min"
+    best_mode: BestMode | str = BestMode.MIN
     keep_best: int = 0
 
     def __post_init__(self) -> None:
@@ -42,8 +48,7 @@ class Retention:
         _positive("keep_period", self.keep_period)
         if isinstance(self.keep_best, bool) or not isinstance(self.keep_best, int) or self.keep_best < 0:
             raise ValueError(f"keep_best must be a non-negative int, not {self.keep_best!r}")
-        if self.best_mode not in ("min", "max"):
-            raise ValueError(f"best_mode must be 'min' or 'max', not {self.best_mode!r}")
+        object.__setattr__(self, "best_mode", BestMode(self.best_mode))  # frozen: set once, here
         if self.keep_best and not self.best_metric:
             raise ValueError("keep_best needs best_metric: the name of the metric that ranks the steps")
 
@@ -67,5 +72,5 @@ class Retention:
         for s in steps:
             value = metric(s)
             if value is not None and not math.isnan(value):
-                scored.append((value if self.best_mode == "min" else -value, -s))
+                scored.append((value if self.best_mode is BestMode.MIN else -value, -s))
         return [-s for _, s in sorted(scored)[: self.keep_best]]

@@ -8,29 +8,30 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Any, Literal
+from typing import Any
 
 from . import remote, topology
+from .choice import Choice
 from .collectives import barrier, together
 from .files import atomic_save, load_file, local_path, make_dirs
 from .sharded import refuse_sharded
 
-Writer = Literal["main", "local", "all"]
+
+class Writer(Choice):
+    """Which ranks write: ``main``, global rank 0 (storage every rank shares); ``local``, local rank 0 of each node
+    (node-local disks); ``all``, every rank (per-rank files, such as sharded state)."""
+
+    MAIN = "main"
+    LOCAL = "local"
+    ALL = "all"
 
 
-def is_writer(writer: Writer = "main") -> bool:
-    """Whether this rank writes under the ``writer`` policy.
-
-    ``main``: global rank 0 (storage every rank shares); ``local``: local rank 0 of each node (node-local
-    disks); ``all``: every rank (per-rank files, such as sharded state).
-    """
-    if writer == "main":
+def is_writer(writer: Writer | str = Writer.MAIN) -> bool:
+    """Whether this rank writes under the ``writer`` policy."""
+    writer = Writer(writer)
+    if writer is Writer.MAIN:
         return topology.is_main()
-    if writer == "local":
-        return topology.is_local_main()
-    if writer == "all":
-        return True
-    raise ValueError(f"writer must be 'main', 'local' or 'all', not {writer!r}")
+    return writer is Writer.ALL or topology.is_local_main()
 
 
 def _where(path: str) -> str:
@@ -60,7 +61,7 @@ def _checked(path: str | os.PathLike, storage_options: StorageOptions) -> tuple[
 def save(
     obj: Any,
     path: str | os.PathLike,
-    writer: Writer = "main",
+    writer: Writer | str = Writer.MAIN,
     storage_options: StorageOptions = None,
     **torch_save_kwargs: Any,
 ) -> str:
@@ -76,7 +77,7 @@ def save(
     """
     path, url = _checked(path, storage_options)
     with together("save", what=f"save {path}"):
-        if writer != "all":
+        if Writer(writer) is not Writer.ALL:
             refuse_sharded(obj, f"save {path}")
         if is_writer(writer):
             try:
@@ -117,7 +118,10 @@ def load(
 
 
 def prepare_dir(
-    path: str | os.PathLike, overwrite: bool = False, writer: Writer = "main", storage_options: StorageOptions = None
+    path: str | os.PathLike,
+    overwrite: bool = False,
+    writer: Writer | str = Writer.MAIN,
+    storage_options: StorageOptions = None,
 ) -> str:
     """Create ``path`` for a run's outputs without races; collective.
 

@@ -42,7 +42,7 @@ from .commit import Entry, Place, verify_step
 from .errors import Failure, RankFailure, UntrustedCheckpoint, rank_failure
 from .files import ChecksummingWriter
 from .remote import Remote
-from .storage import Placement
+from .storage import Placement, StorageKind
 
 if TYPE_CHECKING:  # async_save imports this module
     from .async_save import AsyncSaver
@@ -123,7 +123,7 @@ def require_shared(where: Placement, root: str) -> None:
     the root's placement, agreed by every rank, so every rank raises alike."""
     if remote.is_url(root):
         why = "remote storage is not supported for sharded state"
-    elif where.kind != "shared":
+    elif where.kind is not StorageKind.SHARED:
         why = f"this one is {where.kind} (each node sees its own copy)"
     else:
         return

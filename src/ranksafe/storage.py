@@ -20,15 +20,31 @@ import errno
 import os
 import secrets
 from dataclasses import dataclass
-from typing import Literal
 
 from . import topology
+from .choice import Choice
 from .collectives import exchange_outcome
 from .errors import Failure, rank_failure
 from .files import local_path, make_dirs
 
-Storage = Literal["auto", "shared", "local"]
-Kind = Literal["shared", "local", "mixed"]
+
+class Storage(Choice):
+    """What a user says of a directory: probe it (``auto``), or it is ``shared`` by every rank, or ``local``."""
+
+    AUTO = "auto"
+    SHARED = "shared"
+    LOCAL = "local"
+
+
+class StorageKind(Choice):
+    """What a directory is found to be: ``shared`` by every rank, ``local`` to each node, or ``mixed`` (some nodes
+    share a disk, others do not)."""
+
+    SHARED = "shared"
+    LOCAL = "local"
+    MIXED = "mixed"
+
+
 PROBE_PREFIX = ".ranksafe-probe-"
 
 
@@ -36,12 +52,12 @@ PROBE_PREFIX = ".ranksafe-probe-"
 class Placement:
     """Where a directory lives, from this rank's point of view.
 
-    ``kind``: ``shared`` (every rank sees the same files), ``local`` (each node its own), or ``mixed``.
+    ``kind``: see :class:`StorageKind`.
     ``writer``: this rank writes the full copy that the nodes of its ``group`` read, and commits it.
     ``group``: the nodes that read the files this rank's node sees; ``None`` means every node.
     """
 
-    kind: Kind
+    kind: StorageKind
     writer: bool
     group: frozenset[int] | None
 
@@ -55,28 +71,29 @@ def _group_key() -> int | None:
     return id(dist.group.WORLD) if topology.is_distributed() else None
 
 
-def placement(directory: str | os.PathLike, storage: Storage = "auto", timeout: float | None = None) -> Placement:
+def placement(
+    directory: str | os.PathLike, storage: Storage | str = Storage.AUTO, timeout: float | None = None
+) -> Placement:
     """Decide who writes ``directory``; collective the first time for ``storage="auto"``, cached after.
 
     ``shared`` and ``local`` skip the probe (no collective, no file-system call): use them when you know.
     """
-    if storage == "shared":
-        return Placement("shared", topology.is_main(), None)
-    if storage == "local":
-        return Placement("local", topology.is_local_main(), frozenset({topology.node_rank()}))
-    if storage != "auto":
-        raise ValueError(f"storage must be 'auto', 'shared' or 'local', not {storage!r}")
+    storage = Storage(storage)
+    if storage is Storage.SHARED:
+        return Placement(StorageKind.SHARED, topology.is_main(), None)
+    if storage is Storage.LOCAL:
+        return Placement(StorageKind.LOCAL, topology.is_local_main(), frozenset({topology.node_rank()}))
     if topology.world_size() == 1:
-        return Placement("shared", True, None)
+        return Placement(StorageKind.SHARED, True, None)
     key = (os.path.abspath(local_path(directory)), _group_key())
     if key not in _cache:
         _cache[key] = _from_groups(probe(directory, timeout))
     return _cache[key]
 
 
-def detect(directory: str | os.PathLike, timeout: float | None = None) -> Kind:
-    """``shared``, ``local`` or ``mixed`` for ``directory``; collective on first call, cached after."""
-    return placement(directory, "auto", timeout).kind
+def detect(directory: str | os.PathLike, timeout: float | None = None) -> StorageKind:
+    """What ``directory`` is found to be; collective on first call, cached after."""
+    return placement(directory, Storage.AUTO, timeout).kind
 
 
 def probe(directory: str | os.PathLike, timeout: float | None = None) -> dict[int, frozenset[int]]:
@@ -177,7 +194,7 @@ def _from_groups(groups: dict[int, frozenset[int]]) -> Placement:
             )
     node = topology.node_rank()
     if all(g == nodes for g in groups.values()):
-        return Placement("shared", topology.is_main(), None)
-    kind: Kind = "local" if all(len(g) == 1 for g in groups.values()) else "mixed"
+        return Placement(StorageKind.SHARED, topology.is_main(), None)
+    kind = StorageKind.LOCAL if all(len(g) == 1 for g in groups.values()) else StorageKind.MIXED
     mine = groups[node]
     return Placement(kind, topology.is_local_main() and node == min(mine), mine)

@@ -149,7 +149,7 @@ class RankSafe(Callback):
         keep: int | None = 3,
         every: int = 1,
         async_save: bool = False,
-        storage: Storage = "auto",
+        storage: Storage | str = Storage.AUTO,
         resume: bool = False,
         preemption: bool | Iterable[int] = False,
         save_interval_steps: int | None = None,
@@ -158,7 +158,7 @@ class RankSafe(Callback):
         preemption = preemption if isinstance(preemption, bool) else tuple(preemption)
         SaveSchedule(save_interval_steps, save_interval_seconds, preemption)  # refuses bad values now, not at the fit
         _check(checkpoint_dir, every, resume, bool(preemption or save_interval_steps or save_interval_seconds))
-        self.checkpoint_dir, self.keep, self.every, self.storage = checkpoint_dir, keep, every, storage
+        self.checkpoint_dir, self.keep, self.every, self.storage = checkpoint_dir, keep, every, Storage(storage)
         self.async_save, self.resume_pending = async_save, resume
         self.preemption, self.save_interval_steps = preemption, save_interval_steps
         self.save_interval_seconds = save_interval_seconds

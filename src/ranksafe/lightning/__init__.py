@@ -15,6 +15,6 @@ every rank and a normal end of ``fit`` (then, under SLURM, the requeue Lightning
 
 from .callback import RankSafe
 from .io import RankSafeCheckpointIO
-from .monitor import MonitorAgreement, UnsyncedMetricWarning
+from .monitor import MonitorAgreement, MonitorOp, UnsyncedMetricWarning
 
-__all__ = ["MonitorAgreement", "RankSafe", "RankSafeCheckpointIO", "UnsyncedMetricWarning"]
+__all__ = ["MonitorAgreement", "MonitorOp", "RankSafe", "RankSafeCheckpointIO", "UnsyncedMetricWarning"]

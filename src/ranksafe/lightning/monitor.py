@@ -13,14 +13,23 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from .. import topology
+from ..choice import Choice
 from ..collectives import all_gather
 
-MonitorOp = Literal["mean", "main", "max", "min"]
+
+class MonitorOp(Choice):
+    """The value every rank gets: the ranks' ``mean`` (what ``sync_dist=True`` logs), rank 0's (``main``), the
+    ``max`` or the ``min``."""
+
+    MEAN = "mean"
+    MAIN = "main"
+    MAX = "max"
+    MIN = "min"
 
 
 class UnsyncedMetricWarning(UserWarning):
@@ -41,22 +50,20 @@ def _same(values: list[float]) -> bool:
 
 
 def _reduce(values: list[float], op: MonitorOp) -> float:
-    if op == "main":
+    if op is MonitorOp.MAIN:
         return values[0]
     if any(math.isnan(v) for v in values):
         return math.nan
-    if op == "mean":
+    if op is MonitorOp.MEAN:
         return sum(values) / len(values)
-    return max(values) if op == "max" else min(values)
+    return max(values) if op is MonitorOp.MAX else min(values)
 
 
 class MonitorAgreement:
     """Agrees monitored values across ranks; one small collective per read, warns once per metric name."""
 
-    def __init__(self, op: MonitorOp = "mean"):
-        if op not in ("mean", "main", "max", "min"):
-            raise ValueError(f"op must be 'mean', 'main', 'max' or 'min', not {op!r}")
-        self.op = op
+    def __init__(self, op: MonitorOp | str = MonitorOp.MEAN):
+        self.op = MonitorOp(op)
         self._warned: set[str] = set()
 
     def agree(self, name: str, value: Any) -> Any:
@@ -70,7 +77,7 @@ class MonitorAgreement:
         present = [v for v in gathered if v is not None]
         if not present:
             return value
-        if self.op == "main" and gathered[0] is None:
+        if self.op is MonitorOp.MAIN and gathered[0] is None:
             raise ValueError(f"monitored metric {name!r} was not logged on rank 0; it cannot be agreed with op='main'")
         missing = len(present) < len(gathered)
         if (missing or not _same(present)) and name not in self._warned:
@@ -83,7 +90,7 @@ class MonitorAgreement:
                     UnsyncedMetricWarning,
                     stacklevel=2,
                 )
-        agreed = _reduce(gathered if self.op == "main" else present, self.op)
+        agreed = _reduce(gathered if self.op is MonitorOp.MAIN else present, self.op)
         if isinstance(value, torch.Tensor):
             return torch.tensor(agreed, dtype=value.dtype, device=value.device)
         return torch.tensor(agreed) if value is None else type(value)(agreed)
