@@ -307,19 +307,7 @@ class CheckpointManager:
         for name in writer_files:
             check_name(name, "file name")
         where = self.placement
-        if shards is not None:
-            require_shared(where, self.root)  # the placement is agreed: every rank raises alike
-        if self._saver is not None:
-            if where.writer or shards is not None:  # sharded: every rank writes, so every rank waits
-                self._saver.wait()  # create() removes temporaries: the commit in flight must be done first
-            self.check()  # a failed background commit stops every rank here, not a step later
-        commit = step_commit(self._place(step))
-        with together(f"checkpoint {step}: create", self.timeout):
-            refuse_sharded(writer_files, f"checkpoint {step}")  # every rank: the writers write theirs whole
-            metrics = {k: float(v) for k, v in (metrics or {}).items()}  # a bad value on any rank fails every rank
-            if where.writer:
-                self._clean_debris()
-                commit.create()
+        commit, metrics = self._open(step, where, writer_files, metrics, sharded=shards is not None)
         tx = StepWriter(commit, step)
         part = None if shards is None else self._shards(shards, commit, tx, where.writer)  # every rank
         exc: BaseException | None = None
@@ -329,6 +317,52 @@ class CheckpointManager:
                 part.after_block(writer_files)
         except BaseException as e:
             exc = e
+        self._written(tx, where, commit, part, metrics, exc)
+        if part is not None:
+            part.agreed()  # every rank writes its part now, or in the background (then the writer commits there)
+        if self._saver is None:
+            with together(f"checkpoint {step}: commit", self.timeout):
+                if where.writer:
+                    self._commit(commit, tx, writer_files)
+                    self._retain(newest=step)
+        elif where.writer and part is None:  # the snapshot of writer_files is taken now; check() reports a failure
+            self._saver.submit(
+                writer_files, lambda snapshot: self._commit(commit, tx, snapshot), lambda _: self._retain(newest=step)
+            )
+
+    def _open(
+        self, step: int, where: Placement, writer_files: Mapping[str, Any], metrics: Mapping | None, sharded: bool
+    ) -> tuple[DirCommit, dict[str, float]]:
+        """The first exchange of a save: every rank checks its inputs while the writer(s) create the step's temporary
+        directory; a failure anywhere raises on every rank. Returns the step's commit and the metrics as floats."""
+        if sharded:
+            require_shared(where, self.root)  # the placement is agreed: every rank raises alike
+        if self._saver is not None:
+            if where.writer or sharded:  # sharded: every rank writes, so every rank waits
+                self._saver.wait()  # create() removes temporaries: the commit in flight must be done first
+            self.check()  # a failed background commit stops every rank here, not a step later
+        commit = step_commit(self._place(step))
+        with together(f"checkpoint {step}: create", self.timeout):
+            refuse_sharded(writer_files, f"checkpoint {step}")  # every rank: the writers write theirs whole
+            floats = {k: float(v) for k, v in (metrics or {}).items()}  # a bad value on any rank fails every rank
+            if where.writer:
+                self._clean_debris()
+                commit.create()
+        return commit, floats
+
+    def _written(
+        self,
+        tx: StepWriter,
+        where: Placement,
+        commit: DirCommit,
+        part: StepShards | None,
+        metrics: dict[str, float],
+        exc: BaseException | None,
+    ) -> None:
+        """The second exchange: every rank says what it wrote (or how it failed); the writer(s) learn every file of
+        their group for the manifest, and every rank rank 0's metrics. A failure anywhere aborts the step on every
+        rank."""
+        step = tx.step
         try:
             posted = exchange_outcome(
                 f"checkpoint {step}: written", (topology.node_rank(), tx.entries, metrics), exc, list, self.timeout,
@@ -345,17 +379,6 @@ class CheckpointManager:
                 tx.entries.update(entries)
         tx.metrics = posted[0][2]  # rank 0's, on every node
         self.schedule.saved()
-        if part is not None:
-            part.agreed()  # every rank writes its part now, or in the background (then the writer commits there)
-        if self._saver is None:
-            with together(f"checkpoint {step}: commit", self.timeout):
-                if where.writer:
-                    self._commit(commit, tx, writer_files)
-                    self._retain(newest=step)
-        elif where.writer and part is None:  # the snapshot of writer_files is taken now; check() reports a failure
-            self._saver.submit(
-                writer_files, lambda snapshot: self._commit(commit, tx, snapshot), lambda _: self._retain(newest=step)
-            )
 
     def _commit(self, commit: DirCommit, tx: StepWriter, writer_files: Mapping[str, Any]) -> str:
         """Writer-local, no collectives: write ``writer_files`` and commit the step; return its directory.

@@ -105,23 +105,10 @@ def probe(directory: str | os.PathLike, timeout: float | None = None) -> dict[in
     """
     directory = os.path.abspath(local_path(directory))
     what = f"storage probe {directory}"
-    node, me = topology.node_rank(), topology.rank()
-    token, path, error, read_only_error = None, None, None, None
-    if topology.is_local_main():
-        try:
-            make_dirs(directory)
-            token = secrets.token_hex(8)
-            path = os.path.join(directory, f"{PROBE_PREFIX}{node}-{token}")
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-        except OSError as e:
-            path, token = None, None
-            if e.errno in _READ_ONLY:  # not a failure yet: loading from a read-only mount is fine
-                read_only_error = Failure.from_exception(me, e)
-            else:
-                error = e
+    node = topology.node_rank()
+    path, token, error, read_only = _write_token(directory, node) if topology.is_local_main() else (None,) * 4
     try:
-        mine = (node, token, read_only_error)
-        posted = exchange_outcome("storage probe: tokens", mine, error, list, timeout, what=what)
+        posted = exchange_outcome("storage probe: tokens", (node, token, read_only), error, list, timeout, what=what)
         mains = [ro is not None for _, t, ro in posted if t is not None or ro is not None]
         if mains and all(mains):  # no node can write here: tell the copies apart by what they hold
             return _compare_listings(directory, timeout)
@@ -131,14 +118,7 @@ def probe(directory: str | os.PathLike, timeout: float | None = None) -> dict[in
         headless = sorted({n for n, _, _ in posted} - tokens.keys())
         if headless:
             raise ValueError(f"node(s) {headless} have no local rank 0 to write for them; check LOCAL_RANK")
-        error = None
-        try:
-            names = set(os.listdir(directory))
-        except FileNotFoundError:  # a node whose copy of the directory does not exist sees no token
-            names = set()
-        except OSError as e:
-            names, error = set(), e
-        visible = frozenset(n for n, t in tokens.items() if f"{PROBE_PREFIX}{n}-{t}" in names)
+        visible, error = _tokens_seen(directory, tokens)
         seen = exchange_outcome("storage probe: seen", (node, visible), error, list, timeout, what=what)
     finally:
         if path is not None:
@@ -148,6 +128,32 @@ def probe(directory: str | os.PathLike, timeout: float | None = None) -> dict[in
     for n, vis in seen:
         groups[n] = groups.get(n, vis) & vis
     return groups
+
+
+def _write_token(directory: str, node: int) -> tuple[str | None, str | None, OSError | None, Failure | None]:
+    """A local main's token in ``directory``: its path and random name, or the error that prevented it (a read-only
+    mount is not a failure yet, as loading from one is fine: it comes back as a :class:`Failure` to compare)."""
+    try:
+        make_dirs(directory)
+        token = secrets.token_hex(8)
+        path = os.path.join(directory, f"{PROBE_PREFIX}{node}-{token}")
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        return path, token, None, None
+    except OSError as e:
+        if e.errno in _READ_ONLY:
+            return None, None, None, Failure.from_exception(topology.rank(), e)
+        return None, None, e, None
+
+
+def _tokens_seen(directory: str, tokens: dict[int, str]) -> tuple[frozenset[int], OSError | None]:
+    """The nodes whose token this rank sees in ``directory`` (none where its copy does not exist), or the error."""
+    try:
+        names = set(os.listdir(directory))
+    except FileNotFoundError:
+        return frozenset(), None
+    except OSError as e:
+        return frozenset(), e
+    return frozenset(n for n, t in tokens.items() if f"{PROBE_PREFIX}{n}-{t}" in names), None
 
 
 _READ_ONLY = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})  # no token can be written here, by anyone
