@@ -131,3 +131,36 @@ def test_a_sharded_dtensor_is_saved_whole_by_a_manager_and_refused_by_one_writer
         assert "RankFailure[ValueError]" in out["extra file"] and "ranks 0, 1, 2, 3" in out["extra file"]
         assert out["own shard"] == out["expected shard"]
     assert not os.path.exists(tmp_path / "model.pt") and not os.path.exists(tmp_path / "async.pt")
+
+
+def _dtensor_on_rank_0_only(rank, root, async_save):
+    import time
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    w = distribute_tensor(torch.arange(8.0).reshape(4, 2), init_device_mesh("cpu", (2,)), [Shard(0)])
+    manager = ranksafe.CheckpointManager(root, async_save=async_save)
+    start = time.monotonic()
+    try:  # rank 0 would write its shards through DCP, rank 1 a state.pt from one writer: each waits for the other
+        manager.save(1, {"model": {"w": w if rank == 0 else w.to_local()}})
+        manager.wait()
+        said = "saved"
+    except ranksafe.RankFailure as e:
+        said = f"{type(e).__name__}: {e}"
+    out = {"said": said, "seconds": time.monotonic() - start, "latest": manager.latest()}
+    manager.save(2, {"model": {"w": w}})  # agreed again: the manager goes on
+    out["after"] = manager.latest()
+    return out
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_dtensor_on_some_ranks_only_fails_every_rank_at_once_instead_of_a_wait(tmp_path, async_save):
+    ranks = run_ranks(_dtensor_on_rank_0_only, 2, args=(str(tmp_path), async_save), env={"RANKSAFE_TIMEOUT": "30"})
+    for out in ranks.values:
+        said = out["said"]
+        assert said.startswith("CollectiveMismatch: checkpoint 1: create"), said
+        assert "rank 0: CollectiveMismatch: was in 'outcome:checkpoint 1: create, a state with DTensors'" in said, said
+        assert "rank 1: CollectiveMismatch: was in 'outcome:checkpoint 1: create, no DTensors'" in said, said
+        assert out["seconds"] < 15, out  # half the timeout: an error at once, not a wait (before: the timeout)
+        assert (out["latest"], out["after"]) == (None, 2)

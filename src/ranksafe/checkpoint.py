@@ -334,15 +334,19 @@ class CheckpointManager:
         self, step: int, where: Placement, writer_files: Mapping[str, Any], metrics: Mapping | None, sharded: bool
     ) -> tuple[DirCommit, dict[str, float]]:
         """The first exchange of a save: every rank checks its inputs while the writer(s) create the step's temporary
-        directory; a failure anywhere raises on every rank. Returns the step's commit and the metrics as floats."""
-        if sharded:
-            require_shared(where, self.root)  # the placement is agreed: every rank raises alike
+        directory; a failure anywhere raises on every rank. Returns the step's commit and the metrics as floats.
+
+        Its name says whether this rank's state holds DTensors: ranks that disagree (a DTensor on some ranks only)
+        would go on to different protocols and wait for each other; they raise CollectiveMismatch here instead."""
         if self._saver is not None:
             if where.writer or sharded:  # sharded: every rank writes, so every rank waits
                 self._saver.wait()  # create() removes temporaries: the commit in flight must be done first
             self.check()  # a failed background commit stops every rank here, not a step later
         commit = step_commit(self._place(step))
-        with together(f"checkpoint {step}: create", self.timeout):
+        kind = "a state with DTensors" if sharded else "no DTensors"
+        with together(f"checkpoint {step}: create, {kind}", self.timeout, f"checkpoint {step}: create"):
+            if sharded:
+                require_shared(where, self.root)  # the placement is agreed: every rank with DTensors raises alike
             refuse_sharded(writer_files, f"checkpoint {step}")  # every rank: the writers write theirs whole
             floats = {k: float(v) for k, v in (metrics or {}).items()}  # a bad value on any rank fails every rank
             if where.writer:
