@@ -4,9 +4,11 @@ there, never to a local folder named after the URL; a bucket that cannot be writ
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("fastai")
 
@@ -73,3 +75,22 @@ def test_a_missing_bucket_fails_every_rank_at_fit_start():
     for said in values:
         assert said.startswith("RankFailure[FileNotFoundError] after 0 batches"), said
         assert "cannot write checkpoints to s3://no-such-bucket/run/ckpt (rank 0)" in said
+
+
+def test_a_resume_on_memory_restores_the_generators_and_ends_where_an_uninterrupted_run_does(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    fsspec.filesystem("memory").store.clear()
+    whole = _learner("memory://whole", [RankSafe(checkpoint_dir="ckpt")])
+    with whole.no_bar(), whole.no_logging():
+        whole.fit(3, 1e-2)
+    first = _learner("memory://run", [RankSafe(checkpoint_dir="ckpt")])  # seeded as whole was
+    with first.no_bar(), first.no_logging():
+        first.fit(2, 1e-2)  # stopped after 2 of 3 epochs
+    assert fsspec.filesystem("memory").exists("/run/ckpt/step_00000001/rng-00000.pt")
+    again = _learner("memory://run", [RankSafe(checkpoint_dir="ckpt", resume=True)])
+    torch.manual_seed(123)  # as a new process would: other generators until the resume restores them
+    with warnings.catch_warnings(record=True) as seen, again.no_bar(), again.no_logging():
+        warnings.simplefilter("always")
+        again.fit(3, 1e-2)
+    assert not [str(w.message) for w in seen if "random generators not restored" in str(w.message)]
+    assert params(again) == params(whole)

@@ -62,6 +62,14 @@ def where(path: str | os.PathLike) -> str:
     return f"{os.fspath(path)} (rank {topology.rank()})"
 
 
+def exists(path: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> bool:
+    """Whether a file is at ``path``: a local path, or a URL of remote storage (``os.path.exists`` says no to any
+    URL, which would pass for "no such file")."""
+    if is_url(path):
+        return Remote.of(path, storage_options).exists()
+    return os.path.exists(path)
+
+
 @dataclass(frozen=True)
 class Remote:
     """A URL and the fsspec file system that serves it (``fs``), with the path that file system uses (``path``)."""

@@ -308,8 +308,8 @@ class RankSafe(Callback):
         rng, mine = os.path.join(step_dir, rng_file(topology.rank())), None
         with together("fastai: resume", what=f"resume from {step_dir}"):
             restore(self.learn, state)
-            if os.path.exists(rng):  # absent when the world grew since: those ranks start new generators
-                mine = load_file(rng)
+            if remote.exists(rng, mgr.storage_options):  # absent when the world grew since: new generators there
+                mine = load_file(rng, storage_options=mgr.storage_options)
                 set_rank_state(self.learn, mine)
             else:
                 warnings.warn(f"{rng} does not exist: random generators not restored", RuntimeWarning, stacklevel=2)

@@ -30,7 +30,7 @@ from ..saving import error_naming_target, prepare_dir
 from ..sharded import for_dcp
 from ..storage import Storage
 from . import compat
-from .io import RankSafeCheckpointIO, exists, link, path_key
+from .io import RankSafeCheckpointIO, link, path_key
 from .monitor import MonitorAgreement, MonitorOp
 from .preemption import UNAGREED_REQUEUE, SlurmRequeue, requeue
 from .wrapped import unwrap, wrap
@@ -223,7 +223,7 @@ class RankSafe(Callback):
         if step is None:
             return None
         state = os.path.join(self.manager.step_dir(step), STATE)  # a step of sharded state is its directory
-        return state if exists(state) else self.manager.step_dir(step)
+        return state if remote.exists(state) else self.manager.step_dir(step)
 
     @property
     def _async_manager(self) -> bool:
@@ -521,7 +521,7 @@ class RankSafe(Callback):
     def _file_exists(self, original: Callable[..., Any], filepath: Any, trainer: pl.Trainer) -> bool:
         """``ModelCheckpoint.file_exists`` that counts a file still being written in the background as existing:
         else the next save takes the same name (no ``-v1``) and overwrites it. Rank 0 decides, as in Lightning."""
-        mine = trainer.is_global_zero and (self._io.writing(filepath) or exists(filepath))  # type: ignore[union-attr]
+        mine = trainer.is_global_zero and (self._io.writing(filepath) or remote.exists(filepath))  # type: ignore[union-attr]
         return trainer.strategy.reduce_boolean_decision(bool(mine), all=False)
 
     def _then_end_step(self, original: Callable[..., Any], trainer: pl.Trainer, *args: Any) -> None:

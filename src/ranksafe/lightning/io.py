@@ -33,13 +33,6 @@ def path_key(path: _PATH) -> str:
     return where if scheme else os.path.abspath(where)
 
 
-def exists(path: _PATH) -> bool:
-    """Whether a file is at ``path`` (a local path or a URL)."""
-    if remote.is_url(path):
-        return remote.Remote.of(path).exists()
-    return os.path.exists(path)
-
-
 def link(filepath: str, linkpath: str) -> None:
     """Point ``linkpath`` at ``filepath`` (ModelCheckpoint's ``save_last="link"``): a relative symlink, or a copy
     where links are not allowed (on remote storage: a copy made by the store). Made beside the target and renamed
