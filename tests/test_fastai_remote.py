@@ -94,3 +94,28 @@ def test_a_resume_on_memory_restores_the_generators_and_ends_where_an_uninterrup
         again.fit(3, 1e-2)
     assert not [str(w.message) for w in seen if "random generators not restored" in str(w.message)]
     assert params(again) == params(whole)
+
+
+def test_urls_given_to_a_learner_with_a_local_path_are_written_there(tmp_path, monkeypatch):
+    """pathlib joins ``learn.path / "memory://bkt/x"`` into a local folder ``memory:``; each URL must stay one."""
+    monkeypatch.chdir(tmp_path)
+    fs = fsspec.filesystem("memory")
+    fs.store.clear()
+    learn = _learner(tmp_path / "run", [RankSafe(checkpoint_dir="memory://bkt/ckpt")])
+    with learn.no_bar(), learn.no_logging():
+        learn.fit(1, 1e-2)
+        learn.save("memory://bkt/model")
+        learn.export("memory://bkt/export.pkl")
+    assert sorted(fs.ls("/bkt", detail=False)) == ["/bkt/ckpt", "/bkt/export.pkl", "/bkt/model.pth"]
+    assert [s.step for s in ranksafe.list_steps("memory://bkt/ckpt")] == [0]
+    assert not (tmp_path / "run").exists() and os.listdir(tmp_path) == [], os.listdir(tmp_path)
+
+
+def test_a_manager_that_cannot_be_made_fails_the_fit_with_its_own_error(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    fsspec.filesystem("memory").store.clear()
+    with pytest.raises(ValueError, match="keep must be a positive int"):
+        RankSafe(checkpoint_dir="ckpt", keep=0)  # refused when made, not at the first fit
+    learn = _learner("memory://run", [RankSafe(checkpoint_dir="ckpt", storage="local")])
+    with learn.no_bar(), learn.no_logging(), pytest.raises(ValueError, match="not storage='local'"):
+        learn.fit(1, 1e-2)  # was an AttributeError from the fit's clean-up, hiding this one

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import pathlib
 import re
 import secrets
 import urllib.parse
@@ -60,6 +61,16 @@ def is_url(path: str | os.PathLike) -> bool:
 def where(path: str | os.PathLike) -> str:
     """``path (rank N)``, for messages."""
     return f"{os.fspath(path)} (rank {topology.rank()})"
+
+
+def joinpath(base: str | os.PathLike, *parts: str | os.PathLike) -> str | pathlib.Path:
+    """``Path(base).joinpath(*parts)``, where a part that is a URL starts the path over, as an absolute path does.
+    (pathlib takes ``s3://bucket/x`` for a relative folder named ``s3:``, so a checkpoint given a URL would land in
+    a local folder under ``base``.)"""
+    joined: str | pathlib.Path = base
+    for part in parts:
+        joined = part if is_url(part) else pathlib.Path(joined) / part
+    return joined
 
 
 def exists(path: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> bool:

@@ -19,7 +19,6 @@ import sys
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from fastai.callback.core import Callback
@@ -34,6 +33,7 @@ from ..checkpoint import CheckpointManager
 from ..collectives import abort, barrier, broadcast, together
 from ..files import load_file
 from ..lock import StateDictLock
+from ..retention import Retention
 from ..schedule import SaveSchedule
 from ..storage import Storage
 from . import learner
@@ -110,8 +110,11 @@ _TRANSIENT = {"_fit": None, "_manager": None, "_lock": None, "_fits": 0, "_steps
 pickled."""
 
 
-def _check(checkpoint_dir: str | os.PathLike | None, every: int, resume: bool, scheduled: bool) -> None:
+def _check(
+    checkpoint_dir: str | os.PathLike | None, keep: int | None, every: int, resume: bool, scheduled: bool
+) -> None:
     """Refuse RankSafe's arguments that cannot work, when it is made (every rank makes it alike)."""
+    Retention(keep)  # a keep the manager would refuse at the first fit
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(f"every must be a positive int, not {every!r}")
     if resume and checkpoint_dir is None:
@@ -157,7 +160,7 @@ class RankSafe(Callback):
     ) -> None:
         preemption = preemption if isinstance(preemption, bool) else tuple(preemption)
         SaveSchedule(save_interval_steps, save_interval_seconds, preemption)  # refuses bad values now, not at the fit
-        _check(checkpoint_dir, every, resume, bool(preemption or save_interval_steps or save_interval_seconds))
+        _check(checkpoint_dir, keep, every, resume, bool(preemption or save_interval_steps or save_interval_seconds))
         self.checkpoint_dir, self.keep, self.every, self.storage = checkpoint_dir, keep, every, Storage(storage)
         self.async_save, self.resume_pending = async_save, resume
         self.preemption, self.save_interval_steps = preemption, save_interval_steps
@@ -267,7 +270,7 @@ class RankSafe(Callback):
             fit.boundary = _StepBoundary(self)
             self.learn.add_cb(fit.boundary)
         if self._manager is None:
-            root = Path(self.learn.path) / self.checkpoint_dir
+            root = remote.joinpath(self.learn.path, self.checkpoint_dir)  # a URL stays one
             self._manager = CheckpointManager(
                 root, self.keep, self.storage, async_save=self.async_save, lock=self.state_lock,
                 save_interval_steps=self.save_interval_steps, save_interval_seconds=self.save_interval_seconds,
@@ -503,6 +506,8 @@ class RankSafe(Callback):
         for cb in (fit.skip, fit.boundary):
             if cb is not None:
                 self.learn.remove_cb(cb)
+        if self._manager is None:  # making it failed: that error is the one to see
+            return
         if failed:
             self._manager.schedule.uninstall()
             self._manager.shutdown()

@@ -103,7 +103,7 @@ def _encoder(learn: Learner) -> nn.Module:
 def _model_file(learn: Learner, file: Any) -> Any:
     """``path/model_dir/file.pth`` as fastai's ``join_path_file`` makes it, minus its mkdir on every rank (the
     writer creates the directory inside the collective save, so a failure to create it is shared)."""
-    return Path(learn.path) / learn.model_dir / f"{file}.pth" if isinstance(file, str | Path) else file
+    return remote.joinpath(learn.path, learn.model_dir, f"{file}.pth") if isinstance(file, str | Path) else file
 
 
 def save_encoder(learn: Learner, file: str) -> Path:
@@ -198,7 +198,7 @@ def load_learner(fname: PathLike, cpu: bool = True, pickle_module: Any = pickle,
 def save(learn: Learner, file: Any, **kwargs: Any) -> Any:
     """Save model and optimizer state (if ``with_opt``) to ``path/model_dir/file.pth``; collective."""
     target = _model_file(learn, file)
-    if isinstance(target, Path):
+    if isinstance(target, str | Path):  # a path or a URL; else a file object
         return save_model(target, learn.model, getattr(learn, "opt", None), **kwargs)
     state = get_model(learn.model).state_dict()  # a file object belongs to this process alone
     if kwargs.get("with_opt", True) and learn.opt is not None:
@@ -225,7 +225,7 @@ def export(
     learn: Learner, fname: PathLike = "export.pkl", pickle_module: Any = cloudpickle, pickle_protocol: int = 2
 ) -> Path:
     """Export the Learner for inference (no data, no optimizer state), from rank 0, atomically; collective."""
-    target = Path(learn.path) / fname
+    target = remote.joinpath(learn.path, fname)
     with together("export", what=f"export {target}"):
         if topology.is_main():
             compat.end_cleanup(learn)
