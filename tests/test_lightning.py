@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import warnings
 
 import lightning.pytorch as pl
@@ -152,7 +153,13 @@ def test_overwrite_empties_the_checkpoint_dir_unless_resuming(tmp_path):
         warnings.simplefilter("always")
         trainer = _fit(root, True, epochs=2, overwrite=True, ckpt_path=root / "last.ckpt")
     assert trainer.global_step == 8 and (root / "stale.ckpt").exists()
-    assert any("resumes from it" in str(w.message) for w in caught)
+    assert any("the run resumes" in str(w.message) for w in caught)
+    # resumed from a checkpoint kept elsewhere (a manager's step): the restored state still names the files here
+    elsewhere = tmp_path / "elsewhere.ckpt"
+    shutil.copy(root / "last.ckpt", elsewhere)
+    trainer = _fit(root, True, epochs=3, overwrite=True, ckpt_path=elsewhere)
+    best = trainer.checkpoint_callback.best_model_path
+    assert trainer.global_step == 12 and (root / "stale.ckpt").exists() and os.path.exists(best), best
 
 
 def _agree_metrics(rank, op):

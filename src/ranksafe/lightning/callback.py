@@ -41,13 +41,6 @@ def _shared() -> bool:
     return topology.is_distributed() and topology.world_size() > 1
 
 
-def _inside(path: Any, directory: str) -> bool:
-    if path is None or path in ("last", "best", "hpc", "registry"):  # names Lightning resolves itself
-        return False
-    path, directory = path_key(path), path_key(directory)
-    return path == directory or path.startswith(directory.rstrip("/") + "/")
-
-
 def _positive_int(name: str, value: Any) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ValueError(f"{name} must be a positive int or None, not {value!r}")
@@ -301,17 +294,19 @@ class RankSafe(Callback):
         write a probe there, so that a directory (or a bucket, or credentials) that cannot be written fails every
         rank now instead of after the first epoch."""
         dirpaths = []
+        # a resumed fit restores ModelCheckpoint's state, which names files in its directory: keep them. Each rank
+        # resolved ckpt_path="last" on its own: agree before taking a collective branch.
+        resuming = self.overwrite and agree(trainer.ckpt_path is not None, "any", name="resume dir")
         for cb in trainer.checkpoint_callbacks:
             dirpath = getattr(cb, "dirpath", None)  # a Checkpoint that is no ModelCheckpoint, or a stand-in
             if not isinstance(cb, ModelCheckpoint) or not dirpath:
                 continue
             dirpath = os.fspath(dirpath)
             dirpaths.append(dirpath)
-            # ckpt_path="last" is resolved by each rank on its own: agree before taking a collective branch
-            if self.overwrite and not agree(_inside(trainer.ckpt_path, dirpath), "any", name="resume dir"):
+            if self.overwrite and not resuming:
                 prepare_dir(dirpath, overwrite=True)
             elif self.overwrite and topology.is_main():
-                warnings.warn(f"RankSafe(overwrite=True) keeps {dirpath}: the run resumes from it", stacklevel=2)
+                warnings.warn(f"RankSafe(overwrite=True) keeps {dirpath}: the run resumes", stacklevel=2)
         with together("checkpoint directories: warmup", self.timeout) if _shared() else contextlib.nullcontext():
             if topology.is_main():
                 for dirpath in dirpaths:
