@@ -162,6 +162,29 @@ def test_overwrite_empties_the_checkpoint_dir_unless_resuming(tmp_path):
     assert trainer.global_step == 12 and (root / "stale.ckpt").exists() and os.path.exists(best), best
 
 
+def _managed_fit(checkpoint_dir, epochs: int, ckpt_path=None) -> pl.Trainer:
+    torch.manual_seed(0)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_epochs=epochs, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, enable_checkpointing=False,
+        callbacks=[RankSafe(checkpoint_dir=checkpoint_dir)],
+    )  # fmt: skip
+    trainer.fit(Model(), _loader(), _loader(), ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_a_home_relative_checkpoint_dir_is_expanded_and_a_step_directory_resumes(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    first = _managed_fit("~/managed", epochs=1)  # as ModelCheckpoint(dirpath="~/...") takes it
+    assert os.listdir(tmp_path) == ["home"], "nothing in a folder named '~' under the working directory"
+    (step,) = ranksafe.list_steps(tmp_path / "home" / "managed")
+    assert step.step == first.global_step
+    # the directory list_steps reports, given as ckpt_path (it holds state.pt: not a sharded step)
+    again = _managed_fit("~/managed", epochs=2, ckpt_path=step.path)
+    assert again.global_step == 2 * first.global_step
+
+
 def _agree_metrics(rank, op):
     monitors = MonitorAgreement(op)
     with warnings.catch_warnings(record=True) as caught:

@@ -171,7 +171,7 @@ class CheckpointManager:
                 raise ValueError(f"{remote.where(root)}: remote storage is shared by every rank, not storage='local'")
             self._base: Place = Remote.of(root, storage_options)
         else:
-            self._base = os.path.abspath(local_path(root))
+            self._base = os.path.abspath(os.path.expanduser(local_path(root)))  # ~ as ModelCheckpoint takes it
         self.root = name_of(self._base)
         self.storage_options = storage_options
         self.storage, self.prefix, self.timeout = storage, prefix, timeout

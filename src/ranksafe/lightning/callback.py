@@ -442,9 +442,12 @@ class RankSafe(Callback):
             self._io.wait()
             self._io.check()
         step = self._managed_step(checkpoint_path)
-        if step is not None and path_key(checkpoint_path) == self.manager.step_dir(step):  # type: ignore[union-attr]
-            return self._load_sharded(trainer, step, weights_only)
         if step is not None:
+            step_dir = self.manager.step_dir(step)  # type: ignore[union-attr]
+            if path_key(checkpoint_path) == step_dir:  # a step given as its directory: sharded, or holding state.pt
+                plain = agree(remote.exists(os.path.join(step_dir, STATE)), "any", name="plain step")
+                if not plain:
+                    return self._load_sharded(trainer, step, weights_only)
             return self.manager.load(step, weights_only=weights_only)  # type: ignore[union-attr]
         if not _shared():
             return original(checkpoint_path, **_weights_only(weights_only))
