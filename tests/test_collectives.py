@@ -663,3 +663,31 @@ def test_the_per_step_check_in_a_single_process_raises_the_error_itself_at_once(
     assert not isinstance(raised.value, ranksafe.RankFailure)
     saver.check()  # reported once
     saver.close()
+
+
+def _timeouts_that_cannot_work(rank):
+    out = []
+    for call in (ranksafe.barrier, lambda: ranksafe.barrier(timeout=-5), lambda: ranksafe.agree(1, timeout=0)):
+        try:
+            call()
+            out.append("returned")
+        except ValueError as e:
+            out.append(str(e))
+    return out
+
+
+def test_a_timeout_that_cannot_work_is_refused_naming_it(tmp_path):
+    """A zero or negative timeout reported every rank missing at once ("timed out after -5s waiting for rank(s) 0"),
+    a RANKSAFE_TIMEOUT that is no number a bare float() error."""
+    from ranksafe.lightning import RankSafe
+
+    for bad in (-5, 0, "abc", math.inf, True):
+        for make in (RankSafe, lambda timeout: ranksafe.CheckpointManager(tmp_path, timeout=timeout)):
+            with pytest.raises(ValueError, match=r"timeout must be a positive number of seconds or None, not "):
+                make(timeout=bad)
+    for said in run_ranks(_timeouts_that_cannot_work, 2, env={"RANKSAFE_TIMEOUT": "abc"}).values:
+        assert said == [
+            "RANKSAFE_TIMEOUT must be a positive number of seconds, not 'abc'",
+            "timeout must be a positive number of seconds or None, not -5",
+            "timeout must be a positive number of seconds or None, not 0",
+        ]

@@ -32,7 +32,7 @@ from typing import Any
 
 from . import remote, topology
 from .async_save import AsyncSaver
-from .collectives import broadcast, default_timeout, exchange_outcome, share_outcome, together
+from .collectives import broadcast, checked_timeout, default_timeout, exchange_outcome, share_outcome, together
 from .commit import (
     MANIFEST,
     AtomicDir,
@@ -174,7 +174,7 @@ class CheckpointManager:
             self._base = os.path.abspath(os.path.expanduser(local_path(root)))  # ~ as ModelCheckpoint takes it
         self.root = name_of(self._base)
         self.storage_options = storage_options
-        self.storage, self.prefix, self.timeout = storage, prefix, timeout
+        self.storage, self.prefix, self.timeout = storage, prefix, checked_timeout(timeout)
         self._metrics: dict[int, dict[str, float]] = {}  # the writer's: each step's metrics, as its manifest has them
         self.loaded_step: int | None = None  # the step the last load() returned (after any fallback)
         self._loading: set[int] = set()

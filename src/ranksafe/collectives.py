@@ -62,9 +62,28 @@ EXITED = "ranksafe.Exited"
 """The type name of the failure a rank posts for itself as it exits (see :func:`_at_exit`)."""
 
 
+def checked_timeout(timeout: Any, name: str = "timeout") -> float | None:
+    """``timeout`` in seconds, or None; anything but a positive, finite number (or None) is a ``ValueError`` naming
+    ``name``: a zero or negative timeout would report every rank missing at once, an infinite one never."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+        raise ValueError(f"{name} must be a positive number of seconds or None, not {timeout!r}")
+    return float(timeout)
+
+
 def default_timeout() -> float:
     """Seconds a collective waits when no timeout is given: ``RANKSAFE_TIMEOUT``, else :data:`DEFAULT_TIMEOUT`."""
-    return float(os.environ.get("RANKSAFE_TIMEOUT", DEFAULT_TIMEOUT))
+    text = os.environ.get("RANKSAFE_TIMEOUT")
+    if text is None:
+        return DEFAULT_TIMEOUT
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan  # refused below, with the variable's text
+    if not 0 < seconds < math.inf:
+        raise ValueError(f"RANKSAFE_TIMEOUT must be a positive number of seconds, not {text!r}")
+    return seconds
 
 
 # -- outcomes: what an exchange decided, the same on every rank ---------------------------------------------
@@ -255,7 +274,7 @@ def _exchange_in(
     s: _Session, name: str, value: Any, reduce: Callable[[list], Any], timeout: float | None, what: str | None = None
 ) -> Any:
     what = what or name
-    timeout = default_timeout() if timeout is None else float(timeout)
+    timeout = default_timeout() if timeout is None else checked_timeout(timeout)
     _refuse_nesting(s, name)
     with s.lock, _inside(s, name):
         s.seq += 1

@@ -23,7 +23,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from .. import remote, topology
 from ..async_save import poll_savers
 from ..checkpoint import STATE, CheckpointManager
-from ..collectives import abort, agree, broadcast, together
+from ..collectives import abort, agree, broadcast, checked_timeout, together
 from ..files import clean_orphans, load_file, probe_write
 from ..lock import StateDictLock
 from ..saving import error_naming_target, prepare_dir
@@ -167,7 +167,7 @@ class RankSafe(Callback):
         )  # fmt: skip
         self.overwrite = overwrite
         self.monitors = MonitorAgreement(monitor_op)
-        self.timeout = timeout
+        self.timeout = checked_timeout(timeout)
         self._manager_args = None
         if checkpoint_dir is not None:
             self._manager_args = dict(
