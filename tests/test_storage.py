@@ -12,6 +12,7 @@ import ctypes
 import errno
 import os
 import re
+import tempfile
 
 import pytest
 import torch
@@ -190,3 +191,18 @@ def test_checkpoints_on_a_read_only_root_load_with_the_default_probe(tmp_path, s
     assert [v["writer"] for v in values] == ([True, False, False, False] if shared else [True, False, True, False])
     if values[0]["how"] == "mount":
         assert not any(v["writable"] for v in values)  # the mount was read-only indeed
+
+
+def _own_directory(rank, base):
+    try:
+        storage.placement(os.path.join(base, f"run-{rank}"))  # a path made per rank: a timestamp, a rank number
+        return "placed"
+    except RuntimeError as e:
+        return str(e)
+
+
+def test_ranks_given_different_directories_are_told_so_naming_their_own():
+    with tempfile.TemporaryDirectory() as base:
+        for rank, said in enumerate(run_ranks(_own_directory, 2, args=(base,)).values):
+            assert said.startswith(f"{base}/run-{rank} (rank {rank}): "), said
+            assert "were the ranks given different directories?" in said, said

@@ -87,7 +87,7 @@ def placement(
         return Placement(StorageKind.SHARED, True, None)
     key = (os.path.abspath(local_path(directory)), _group_key())
     if key not in _cache:
-        _cache[key] = _from_groups(probe(directory, timeout))
+        _cache[key] = _from_groups(probe(directory, timeout), key[0])
     return _cache[key]
 
 
@@ -187,16 +187,20 @@ def _compare_listings(directory: str, timeout: float | None) -> dict[int, frozen
     return groups
 
 
-def _from_groups(groups: dict[int, frozenset[int]]) -> Placement:
-    """This rank's placement from every node's visible group (the same on every rank)."""
+def _from_groups(groups: dict[int, frozenset[int]], directory: str) -> Placement:
+    """This rank's placement from every node's visible group (the same on every rank); ``directory`` for messages."""
     nodes = frozenset(groups)
+    here = f"{directory} (rank {topology.rank()})"
     for n, group in groups.items():
         if n not in group:
-            raise RuntimeError(f"ranks of node {n} see different directories (one does not see its own local main's)")
+            raise RuntimeError(
+                f"{here}: a rank of node {n} does not see the probe file its local main wrote here: were the ranks "
+                "given different directories?"
+            )
         if any(groups[m] != group for m in group):
             raise RuntimeError(
-                f"nodes {sorted(group)} do not see each other's files symmetrically (lagging or partial mounts?); "
-                "pass storage='shared' or storage='local' explicitly"
+                f"{here}: nodes {sorted(group)} do not see each other's files symmetrically (lagging or partial "
+                "mounts?); pass storage='shared' or storage='local' explicitly"
             )
     node = topology.node_rank()
     if all(g == nodes for g in groups.values()):
