@@ -4,6 +4,7 @@ there, never to a local folder named after the URL; a bucket that cannot be writ
 from __future__ import annotations
 
 import os
+import pickle
 import warnings
 from pathlib import Path
 
@@ -119,3 +120,18 @@ def test_a_manager_that_cannot_be_made_fails_the_fit_with_its_own_error(tmp_path
     learn = _learner("memory://run", [RankSafe(checkpoint_dir="ckpt", storage="local")])
     with learn.no_bar(), learn.no_logging(), pytest.raises(ValueError, match="not storage='local'"):
         learn.fit(1, 1e-2)  # was an AttributeError from the fit's clean-up, hiding this one
+
+
+def test_load_pretrained_reads_weights_and_vocabulary_from_remote_storage(tmp_path, monkeypatch):
+    from tests.test_fastai import _text_learner
+
+    monkeypatch.chdir(tmp_path)
+    fsspec.filesystem("memory").store.clear()
+    learn = _text_learner(str(tmp_path / "text"))
+    learn.dls.vocab = [f"w{i}" for i in range(20)]
+    pretrained = {k: v + 1 for k, v in learn.model.state_dict().items()}
+    ranksafe.save(pretrained, "memory://lm/lm.pth")
+    with fsspec.open("memory://lm/vocab.pkl", "wb") as f:
+        pickle.dump(learn.dls.vocab, f)
+    learn.load_pretrained("memory://lm/lm.pth", "memory://lm/vocab.pkl")  # the vocabulary was read as a local file
+    assert all(torch.equal(v, pretrained[k]) for k, v in learn.model.state_dict().items())

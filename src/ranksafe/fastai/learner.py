@@ -9,6 +9,7 @@ Learner first: they are the mixin's methods, and, through :func:`install`, one L
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import sys
@@ -131,13 +132,16 @@ class _PlainUnpickler(pickle.Unpickler):
 
 
 def _read_vocab(fname: PathLike, trusted: bool) -> Any:
+    """The vocabulary pickle at ``fname``: a local path, or a URL (as the weights beside it may be)."""
+    if trusted and not remote.is_url(fname):
+        return load_pickle(fname)  # fastai's own reader (it also opens .gz and .bz2)
+    data = remote.Remote.of(fname).read() if remote.is_url(fname) else Path(fname).read_bytes()
     if trusted:
-        return load_pickle(fname)
-    with open(fname, "rb") as f:
-        try:
-            return _PlainUnpickler(f).load()
-        except pickle.UnpicklingError as e:
-            raise UntrustedCheckpoint(fname, str(e)) from e
+        return pickle.loads(data)
+    try:
+        return _PlainUnpickler(io.BytesIO(data)).load()
+    except pickle.UnpicklingError as e:
+        raise UntrustedCheckpoint(fname, str(e)) from e
 
 
 def load_pretrained(
