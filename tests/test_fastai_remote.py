@@ -135,3 +135,17 @@ def test_load_pretrained_reads_weights_and_vocabulary_from_remote_storage(tmp_pa
         pickle.dump(learn.dls.vocab, f)
     learn.load_pretrained("memory://lm/lm.pth", "memory://lm/vocab.pkl")  # the vocabulary was read as a local file
     assert all(torch.equal(v, pretrained[k]) for k, v in learn.model.state_dict().items())
+
+
+def test_a_csv_logger_on_remote_storage_is_refused_before_it_makes_a_local_folder(tmp_path, monkeypatch):
+    from fastai.callback.progress import CSVLogger
+
+    monkeypatch.chdir(tmp_path)
+    learn = _learner("memory://run", [RankSafe(), CSVLogger()])
+    with learn.no_bar(), learn.no_logging(), pytest.raises(ValueError, match="CSVLogger writes local files only"):
+        learn.fit(1, 1e-2)
+    assert os.listdir(tmp_path) == [], "no local folder named after the URL"
+    local = _learner("memory://run", [RankSafe(), CSVLogger(fname=str(tmp_path / "history.csv"))])
+    with local.no_bar(), local.no_logging():
+        local.fit(1, 1e-2)  # an absolute local file is fine
+    assert (tmp_path / "history.csv").read_text().startswith("epoch,train_loss")

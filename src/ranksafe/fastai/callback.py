@@ -38,7 +38,7 @@ from ..schedule import SaveSchedule
 from ..storage import Storage
 from . import learner
 from .distributed import any_backend, prepare_distributed
-from .guards import guard, quiet_csv_loggers, unguard
+from .guards import guard, quiet_csv_loggers, refuse_remote_csv, unguard
 from .learner import METHODS, install, stock_method, uninstall
 from .mid_epoch import Resumption, end_resumed_epoch, restore_epoch_start, skip_done_batches
 from .training_state import (
@@ -233,6 +233,7 @@ class RankSafe(Callback):
         """Open the fit: guard the other callbacks, check that fastai sees the job, open the checkpoints."""
         learn = self.learn
         any_backend(learn.dls.loaders)
+        refuse_remote_csv(learn)
         quiet_csv_loggers(learn)
         if _validating(learn):
             return

@@ -102,3 +102,17 @@ def quiet_csv_loggers(learn: Learner, quiet: bool = True) -> None:
         for cb in learn.cbs:
             if isinstance(cb, CSVLogger):
                 cb.run = not quiet
+
+
+def refuse_remote_csv(learn: Learner) -> None:
+    """A ``CSVLogger`` whose file is on remote storage: fastai opens it with ``open``, which makes a local folder named
+    after the URL before it fails. Refused before the logger runs, on every rank alike."""
+    for cb in learn.cbs:
+        if not isinstance(cb, CSVLogger):
+            continue
+        scheme, target = remote.split(remote.joinpath(learn.path, cb.fname))
+        if scheme is not None:
+            raise ValueError(
+                f"{target} (rank {topology.rank()}): fastai's CSVLogger writes local files only; give it a local "
+                "file (CSVLogger(fname='/abs/path/history.csv')) or keep learn.path local"
+            )
