@@ -310,7 +310,9 @@ def test_one_process_a_signal_stops_the_fit_chains_the_handler_and_the_flag_goes
 
 
 def test_preemption_and_intervals_need_a_checkpoint_dir():
-    with pytest.raises(ValueError, match="need a checkpoint_dir"):
+    with pytest.raises(ValueError, match=r"RankSafe\(preemption=...\) needs a checkpoint_dir"):
         RankSafe(preemption=True)
+    with pytest.raises(ValueError, match=r"RankSafe\(async_save=...\) needs a checkpoint_dir"):
+        RankSafe(async_save=True)  # would write nothing in the background, silently
     with pytest.raises(ValueError, match="every_steps must be a positive"):
         RankSafe("ckpt", save_interval_steps=0)

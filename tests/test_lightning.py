@@ -205,3 +205,18 @@ def test_monitor_agreement_on_real_ranks():
         warned = values[0][4]
         assert len(warned) == 2 and "'val_loss' differs across ranks" in warned[0] and "'val_f1'" in warned[1]
         assert values[1][4] == []  # warnings on rank 0 only
+
+
+@pytest.mark.parametrize(
+    "kwargs, said",
+    [
+        ({"async_save": True}, r"RankSafe\(async_save=...\) needs a checkpoint_dir"),
+        ({"every_n_epochs": 2}, r"RankSafe\(every_n_epochs=...\) needs a checkpoint_dir"),
+        ({"storage": "nfs"}, "Storage takes 'auto', 'shared', 'local', not 'nfs'"),
+        ({"checkpoint_dir": ""}, "root must name a directory, not ''"),
+    ],
+    ids=["async_save", "every_n_epochs", "storage", "empty dir"],
+)
+def test_options_that_would_be_ignored_or_land_in_the_working_directory_are_refused(kwargs, said):
+    with pytest.raises(ValueError, match=said):
+        RankSafe(**kwargs)

@@ -165,6 +165,8 @@ class CheckpointManager:
         self.retention = Retention(keep, keep_period, best_metric, best_mode, keep_best)
         self.schedule = SaveSchedule(save_interval_steps, save_interval_seconds, preemption, f"checkpoint {prefix}")
         check_name(prefix + "0", "step prefix")
+        if not os.fspath(root):
+            raise ValueError("root must name a directory, not ''")  # abspath('') would be the working directory
         storage = Storage(storage)
         if remote.is_url(root):
             if storage is Storage.LOCAL:

@@ -110,17 +110,15 @@ _TRANSIENT = {"_fit": None, "_manager": None, "_lock": None, "_fits": 0, "_steps
 pickled."""
 
 
-def _check(
-    checkpoint_dir: str | os.PathLike | None, keep: int | None, every: int, resume: bool, scheduled: bool
-) -> None:
-    """Refuse RankSafe's arguments that cannot work, when it is made (every rank makes it alike)."""
+def _check(checkpoint_dir: str | os.PathLike | None, keep: int | None, every: int, **checkpoint_options: Any) -> None:
+    """Refuse RankSafe's arguments that cannot work, when it is made (every rank makes it alike):
+    ``checkpoint_options`` act on checkpoints only, and need a ``checkpoint_dir`` when they are set."""
     Retention(keep)  # a keep the manager would refuse at the first fit
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(f"every must be a positive int, not {every!r}")
-    if resume and checkpoint_dir is None:
-        raise ValueError("resume=True needs a checkpoint_dir")
-    if scheduled and checkpoint_dir is None:
-        raise ValueError("preemption and save intervals need a checkpoint_dir")
+    for name, value in checkpoint_options.items():
+        if value and checkpoint_dir is None:
+            raise ValueError(f"RankSafe({name}=...) needs a checkpoint_dir to save into")
 
 
 class RankSafe(Callback):
@@ -160,7 +158,10 @@ class RankSafe(Callback):
     ) -> None:
         preemption = preemption if isinstance(preemption, bool) else tuple(preemption)
         SaveSchedule(save_interval_steps, save_interval_seconds, preemption)  # refuses bad values now, not at the fit
-        _check(checkpoint_dir, keep, every, resume, bool(preemption or save_interval_steps or save_interval_seconds))
+        _check(
+            checkpoint_dir, keep, every, resume=resume, async_save=async_save, preemption=preemption,
+            save_interval_steps=save_interval_steps, save_interval_seconds=save_interval_seconds,
+        )  # fmt: skip
         self.checkpoint_dir, self.keep, self.every, self.storage = checkpoint_dir, keep, every, Storage(storage)
         self.async_save, self.resume_pending = async_save, resume
         self.preemption, self.save_interval_steps = preemption, save_interval_steps

@@ -163,8 +163,9 @@ class RankSafe(Callback):
         self.resume = bool(preemption) if resume is None else resume
         _refuse_without_dir(
             checkpoint_dir, preemption=preemption, every_n_train_steps=every_n_train_steps,
-            train_time_interval=seconds, resume=self.resume,
+            train_time_interval=seconds, resume=self.resume, async_save=async_save, every_n_epochs=every_n_epochs,
         )  # fmt: skip
+        storage = Storage(storage)  # refused now also without a checkpoint_dir
         self.overwrite = overwrite
         self.monitors = MonitorAgreement(monitor_op)
         self.timeout = checked_timeout(timeout)
