@@ -260,6 +260,28 @@ def test_with_gradient_accumulation_a_step_boundary_is_an_optimizer_step(tmp_pat
     assert params(again) == params(reference) and again.train_iter == reference.train_iter == 24
 
 
+def test_gradients_accumulated_across_an_epoch_end_are_in_its_checkpoint(tmp_path):
+    """GradientAccumulation(32) steps after every fourth batch (8 rows each), so the end of epoch 0 (6 batches) holds
+    two batches of gradients not yet stepped, and fastai carries them into epoch 1. A run resumed from that epoch's
+    checkpoint must carry them too (before: they were lost, and the resumed weights differed)."""
+    from fastai.callback.training import GradientAccumulation
+
+    def run(directory, *cbs, **kw):
+        set_seed(0, reproducible=True)
+        cb = RankSafe(directory, keep=None, **kw)
+        learn = Learner(tabular_dls(tmp_path), Lin(), loss_func=MSELossFlat(), path=tmp_path, cbs=cb)
+        with learn.no_bar(), learn.no_logging():
+            learn.fit(EPOCHS, 1e-2, cbs=[GradientAccumulation(32), *cbs])
+        return learn
+
+    reference = run("reference")
+    assert _saved(tmp_path / "reference", 0)["accumulated"]["count"] == 16  # two batches pending at epoch 0's end
+    with pytest.raises(Interrupted):
+        run("ckpt", Crash(at=8))  # inside epoch 1, before its first optimizer step
+    again = run("ckpt", resume=True)
+    assert params(again) == params(reference)
+
+
 def _saved(root, step: int) -> dict:
     return ranksafe.load_file(os.path.join(root, f"step_{step:08d}", "state.pt"))
 

@@ -1,7 +1,8 @@
 """What a fastai run needs to continue where it stopped, and how it goes back in.
 
 A checkpoint of :class:`~ranksafe.fastai.RankSafe` holds ``state.pt`` (written once: model, optimizer,
-MixedPrecision's loss scale, the epoch just completed, the Recorder's values, and which fit of the script wrote it)
+MixedPrecision's loss scale, GradientAccumulation's gradients not yet stepped, the epoch just completed, the
+Recorder's values, and which fit of the script wrote it)
 and one file per rank (``rng-00000.pt``, ...: that rank's random generators, its data loaders' own, and the Recorder's
 smoothed loss), so that a resumed run draws the same batches, augmentations and dropout masks as the uninterrupted one
 and logs the same ``train_loss``. Everything is plain tensors and built-in types: it loads with ``weights_only=True``.
@@ -19,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from fastai.callback.training import GradientAccumulation
 from fastai.distributed import DistributedDL
 from fastai.learner import Learner
 from fastai.torch_core import get_model
@@ -32,6 +34,9 @@ STEPS, TRAIN_ITER = "steps", "train_iter"
 count of the fit's training batches."""
 BATCHES, PCT_TRAIN = "batches", "pct_train"
 """Keys of a checkpoint taken inside epoch ``epoch`` only: its training batches done; fastai's ``pct_train`` then."""
+ACCUMULATED = "accumulated"
+"""Key of a checkpoint taken while ``GradientAccumulation`` holds gradients not yet stepped (its steps straddle an
+epoch's end): its count of rows, and every parameter's gradient (None where it has none)."""
 EPOCH_START = "epoch_start"
 """Key of a rank's file, in a checkpoint taken inside an epoch: its :func:`generators` when that epoch's training
 started."""
@@ -82,6 +87,9 @@ def training_state(
     scaler = getattr(learn, "scaler", None)  # MixedPrecision's GradScaler: the same on every rank
     if scaler is not None and scaler.is_enabled():
         state["scaler"] = scaler.state_dict()
+    count = next((cb.count for cb in learn.cbs if isinstance(cb, GradientAccumulation)), 0)
+    if count:  # DDP has averaged them: the same on every rank
+        state[ACCUMULATED] = {"count": count, "grads": [p.grad for p in get_model(learn.model).parameters()]}
     return state
 
 
@@ -98,6 +106,13 @@ def restore(learn: Learner, state: dict[str, Any]) -> None:
     if "slow_weights" in opt:  # Lookahead (ranger)
         opt["slow_weights"] = L(L(pg) for pg in opt["slow_weights"])
     learn.opt.load_state_dict(opt)
+    accumulated = state.get(ACCUMULATED)
+    if accumulated is not None:  # after GradientAccumulation's before_fit set its count to 0
+        for cb in learn.cbs:
+            if isinstance(cb, GradientAccumulation):
+                cb.count = accumulated["count"]
+        for p, grad in zip(get_model(learn.model).parameters(), accumulated["grads"], strict=True):
+            p.grad = None if grad is None else grad.to(p.device)
 
 
 def _loaders(learn: Learner) -> list[Any]:
