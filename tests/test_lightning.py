@@ -13,6 +13,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins import TorchCheckpointIO
+from lightning.pytorch.strategies import SingleDeviceStrategy
 
 import ranksafe
 from ranksafe.lightning import MonitorAgreement, RankSafe, RankSafeCheckpointIO, UnsyncedMetricWarning
@@ -43,10 +44,21 @@ def _loader():
     return torch.utils.data.DataLoader(data, batch_size=4)
 
 
-def _fit(root, ranksafe_on: bool, epochs: int = 3, ckpt_path=None, overwrite: bool = False) -> pl.Trainer:
+class _RestoredAfterSetup(SingleDeviceStrategy):
+    """Restores the checkpoint after ``on_fit_start``, as FSDP, ModelParallelStrategy and DeepSpeed do."""
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+
+def _fit(
+    root, ranksafe_on: bool, epochs: int = 3, ckpt_path=None, overwrite: bool = False, strategy="auto"
+) -> pl.Trainer:
     torch.manual_seed(0)
     checkpoint = ModelCheckpoint(dirpath=root, monitor="val_loss", save_top_k=2, save_last=True)
     trainer = pl.Trainer(
+        strategy=strategy,
         accelerator="cpu", devices=1, max_epochs=epochs, logger=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, deterministic=True,
         callbacks=[checkpoint, RankSafe(overwrite=overwrite)] if ranksafe_on else [checkpoint],
@@ -160,6 +172,10 @@ def test_overwrite_empties_the_checkpoint_dir_unless_resuming(tmp_path):
     trainer = _fit(root, True, epochs=3, overwrite=True, ckpt_path=elsewhere)
     best = trainer.checkpoint_callback.best_model_path
     assert trainer.global_step == 12 and (root / "stale.ckpt").exists() and os.path.exists(best), best
+    # a strategy that restores after on_fit_start: the directory is still kept (it held the file to resume from)
+    strategy = _RestoredAfterSetup(device=torch.device("cpu"))
+    trainer = _fit(root, True, epochs=4, overwrite=True, ckpt_path=root / "last.ckpt", strategy=strategy)
+    assert trainer.global_step == 16 and (root / "stale.ckpt").exists()
 
 
 def _managed_fit(checkpoint_dir, epochs: int, ckpt_path=None) -> pl.Trainer:

@@ -63,6 +63,12 @@ def _epochs(every_n_epochs: int | None, every_n_train_steps: int | None, seconds
     return every_n_epochs
 
 
+def _checkpoint_dirs(trainer: pl.Trainer) -> list[str]:
+    """The directories of the Trainer's ModelCheckpoints (resolved in their ``setup``)."""
+    dirpaths = (getattr(cb, "dirpath", None) for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint))
+    return [os.fspath(d) for d in dirpaths if d]  # a stand-in (a Mock with a spec) may have none
+
+
 def _refuse_without_dir(checkpoint_dir: Any, **options: Any) -> None:
     for name, value in options.items():
         if value and checkpoint_dir is None:
@@ -101,7 +107,7 @@ class RankSafe(Callback):
 
     Args:
         overwrite: empty every ModelCheckpoint directory before training (collectively, by rank 0 only,
-            via :func:`ranksafe.prepare_dir`), unless the run resumes from a file inside it. With the default
+            via :func:`ranksafe.prepare_dir`), unless the fit resumes from a checkpoint. With the default
             False the directory is left to Lightning, which creates it at the first save on rank 0.
         monitor_op: how a monitored metric that differs across ranks becomes one value: ``"mean"`` (what
             ``sync_dist=True`` would log), ``"main"`` (rank 0's), ``"max"`` or ``"min"``.
@@ -270,7 +276,7 @@ class RankSafe(Callback):
             wrap(strategy, "load_checkpoint", functools.partial(self._load, trainer))
         if self._io is not None or self._async_manager:
             wrap(strategy, "optimizer_step", self._holding_locks)
-        if shared or self.resume:
+        if shared or self.resume or self.overwrite:
             wrap(compat.checkpoint_connector(trainer), "resume_start", functools.partial(self._resume_start, trainer))
 
     def _wrap_callbacks(self, trainer: pl.Trainer, shared: bool) -> None:
@@ -291,23 +297,10 @@ class RankSafe(Callback):
                 wrap(cb, compat.STOPPING_CRITERIA, functools.partial(self.monitors.criteria, monitor))
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """ModelCheckpoint resolved its directory in its own ``setup``: prepare it now, before the first save, and
-        write a probe there, so that a directory (or a bucket, or credentials) that cannot be written fails every
-        rank now instead of after the first epoch."""
-        dirpaths = []
-        # a resumed fit restores ModelCheckpoint's state, which names files in its directory: keep them. Each rank
-        # resolved ckpt_path="last" on its own: agree before taking a collective branch.
-        resuming = self.overwrite and agree(trainer.ckpt_path is not None, "any", name="resume dir")
-        for cb in trainer.checkpoint_callbacks:
-            dirpath = getattr(cb, "dirpath", None)  # a Checkpoint that is no ModelCheckpoint, or a stand-in
-            if not isinstance(cb, ModelCheckpoint) or not dirpath:
-                continue
-            dirpath = os.fspath(dirpath)
-            dirpaths.append(dirpath)
-            if self.overwrite and not resuming:
-                prepare_dir(dirpath, overwrite=True)
-            elif self.overwrite and topology.is_main():
-                warnings.warn(f"RankSafe(overwrite=True) keeps {dirpath}: the run resumes", stacklevel=2)
+        """ModelCheckpoint resolved its directory in its own ``setup``: write a probe there now, so that a directory
+        (or a bucket, or credentials) that cannot be written fails every rank now instead of after the first
+        epoch."""
+        dirpaths = _checkpoint_dirs(trainer)
         with together("checkpoint directories: warmup", self.timeout) if _shared() else contextlib.nullcontext():
             if topology.is_main():
                 for dirpath in dirpaths:
@@ -492,9 +485,21 @@ class RankSafe(Callback):
                     stacklevel=2,
                 )
             checkpoint_path = chosen
-        if checkpoint_path is None and self.resume and trainer.state.fn == TrainerFn.FITTING:
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if checkpoint_path is None and self.resume and fitting:
             checkpoint_path = self.latest_checkpoint()
+        if self.overwrite and fitting:  # the path is agreed by now (and before any save, whatever the strategy)
+            self._overwrite(trainer, resuming=checkpoint_path is not None)
         return original(checkpoint_path, **_weights_only(weights_only))
+
+    def _overwrite(self, trainer: pl.Trainer, resuming: bool) -> None:
+        """``overwrite=True``: empty every ModelCheckpoint directory, unless the fit resumes (its restored state names
+        files there, as ``best_model_path`` does)."""
+        for dirpath in _checkpoint_dirs(trainer):
+            if not resuming:
+                prepare_dir(dirpath, overwrite=True)
+            elif topology.is_main():
+                warnings.warn(f"RankSafe(overwrite=True) keeps {dirpath}: the run resumes", stacklevel=3)
 
     def _holding_locks(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """The optimizer step, holding the write side of the snapshot locks: no snapshot sees weights mid-update."""
