@@ -685,6 +685,11 @@ def test_a_timeout_that_cannot_work_is_refused_naming_it(tmp_path):
         for make in (RankSafe, lambda timeout: ranksafe.CheckpointManager(tmp_path, timeout=timeout)):
             with pytest.raises(ValueError, match=r"timeout must be a positive number of seconds or None, not "):
                 make(timeout=bad)
+        with pytest.raises(ValueError, match="timeout must be a positive number"):
+            ranksafe.barrier(timeout=bad)  # one process too: not only once the job is scaled up
+    import numpy as np
+
+    assert ranksafe.CheckpointManager(tmp_path, timeout=np.float32(5)).timeout == 5.0  # any real number
     for said in run_ranks(_timeouts_that_cannot_work, 2, env={"RANKSAFE_TIMEOUT": "abc"}).values:
         assert said == [
             "RANKSAFE_TIMEOUT must be a positive number of seconds, not 'abc'",

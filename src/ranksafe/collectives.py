@@ -29,6 +29,7 @@ import atexit
 import contextlib
 import enum
 import math
+import numbers
 import os
 import pickle
 import socket
@@ -67,7 +68,7 @@ def checked_timeout(timeout: Any, name: str = "timeout") -> float | None:
     ``name``: a zero or negative timeout would report every rank missing at once, an infinite one never."""
     if timeout is None:
         return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 < timeout < math.inf:
         raise ValueError(f"{name} must be a positive number of seconds or None, not {timeout!r}")
     return float(timeout)
 
@@ -274,7 +275,7 @@ def _exchange_in(
     s: _Session, name: str, value: Any, reduce: Callable[[list], Any], timeout: float | None, what: str | None = None
 ) -> Any:
     what = what or name
-    timeout = default_timeout() if timeout is None else checked_timeout(timeout)
+    timeout = default_timeout() if timeout is None else timeout  # checked by exchange(); None from a step notice
     _refuse_nesting(s, name)
     with s.lock, _inside(s, name):
         s.seq += 1
@@ -431,6 +432,7 @@ def exchange(
     same on all ranks at this call (else :class:`CollectiveMismatch`); ``what`` (default: ``name``) is
     the rank's own description for error messages, and may differ per rank (a per-rank path, say).
     """
+    timeout = default_timeout() if timeout is None else checked_timeout(timeout)  # one process refuses it too
     s = _get_session(timeout, what or name)
     if s is None:
         return reduce([value])
