@@ -336,5 +336,9 @@ def test_preemption_and_intervals_need_a_checkpoint_dir():
         RankSafe(preemption=True)
     with pytest.raises(ValueError, match=r"RankSafe\(async_save=...\) needs a checkpoint_dir"):
         RankSafe(async_save=True)  # would write nothing in the background, silently
+    with pytest.raises(ValueError, match=r"RankSafe\(every=...\) needs a checkpoint_dir"):
+        RankSafe(every=2)
+    with pytest.raises(ValueError, match="checkpoint_dir must name a directory, not ''"):
+        RankSafe(checkpoint_dir="")
     with pytest.raises(ValueError, match="every_steps must be a positive"):
         RankSafe("ckpt", save_interval_steps=0)

@@ -110,12 +110,14 @@ _TRANSIENT = {"_fit": None, "_manager": None, "_lock": None, "_fits": 0, "_steps
 pickled."""
 
 
-def _check(checkpoint_dir: str | os.PathLike | None, keep: int | None, every: int, **checkpoint_options: Any) -> None:
+def _check(checkpoint_dir: str | os.PathLike | None, keep: int | None, epochs: int, **checkpoint_options: Any) -> None:
     """Refuse RankSafe's arguments that cannot work, when it is made (every rank makes it alike):
     ``checkpoint_options`` act on checkpoints only, and need a ``checkpoint_dir`` when they are set."""
     Retention(keep)  # a keep the manager would refuse at the first fit
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(f"every must be a positive int, not {every!r}")
+    if checkpoint_dir is not None and not os.fspath(checkpoint_dir):
+        raise ValueError("checkpoint_dir must name a directory, not '' (it is relative to learn.path)")
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:  # the ``every`` argument
+        raise ValueError(f"every must be a positive int, not {epochs!r}")
     for name, value in checkpoint_options.items():
         if value and checkpoint_dir is None:
             raise ValueError(f"RankSafe({name}=...) needs a checkpoint_dir to save into")
@@ -159,10 +161,10 @@ class RankSafe(Callback):
         preemption = preemption if isinstance(preemption, bool) else tuple(preemption)
         SaveSchedule(save_interval_steps, save_interval_seconds, preemption)  # refuses bad values now, not at the fit
         _check(
-            checkpoint_dir, keep, every, resume=resume, async_save=async_save, preemption=preemption,
+            checkpoint_dir, keep, every, resume=resume, async_save=async_save, preemption=preemption, every=every != 1,
             save_interval_steps=save_interval_steps, save_interval_seconds=save_interval_seconds,
         )  # fmt: skip
-        self.checkpoint_dir, self.keep, self.every, self.storage = checkpoint_dir, keep, every, Storage(storage)
+        self.checkpoint_dir, self.keep, self.every, self.storage = checkpoint_dir, keep, every, Storage(storage).value
         self.async_save, self.resume_pending = async_save, resume
         self.preemption, self.save_interval_steps = preemption, save_interval_steps
         self.save_interval_seconds = save_interval_seconds

@@ -43,7 +43,7 @@ def _nan_after_batch(cb: TerminateOnNaNCallback) -> None:
 
 def _lr_finder_before_fit(cb: LRFinder) -> None:
     ParamScheduler.before_fit(cb)
-    models = Path(cb.path) / cb.model_dir
+    models = remote.joinpath(cb.path, cb.model_dir)
     name = None
     with together("lr_find: temporary directory"):
         if topology.is_main() and remote.is_url(models):  # no directory to make: a name nobody else uses
@@ -62,7 +62,7 @@ def _lr_finder_after_fit(cb: LRFinder) -> None:
         cb.learn.load(f"{cb.tmp_p}/_tmp", with_opt=True)  # returns on a rank once every rank has read it
     finally:
         with together("lr_find: remove temporary model"):
-            tmp = Path(cb.path) / cb.model_dir / cb.tmp_p
+            tmp = remote.joinpath(cb.path, cb.model_dir, cb.tmp_p)
             if topology.is_main() and remote.is_url(tmp):
                 remote.Remote.of(tmp).remove()
             elif topology.is_main():
