@@ -59,7 +59,7 @@ from .retention import BestMode, Retention
 from .saving import error_naming_target
 from .schedule import SaveSchedule
 from .sharded import StepShards, for_dcp, read_shards, refuse_sharded, require_shared, verify_shares
-from .storage import Placement, Storage, placement
+from .storage import Placement, Storage, StorageKind, placement
 
 __all__ = [
     "MANIFEST",
@@ -228,7 +228,7 @@ class CheckpointManager:
         """Who writes under ``root`` (a collective the first time, with ``storage="auto"``; remote storage is
         shared by every rank: rank 0 writes)."""
         if isinstance(self._base, Remote):
-            return Placement("shared", topology.is_main(), None)
+            return Placement(StorageKind.SHARED, topology.is_main(), None)
         return placement(self.root, self.storage, self.timeout)
 
     def _place(self, step: int) -> Place:
@@ -345,8 +345,8 @@ class CheckpointManager:
                 self._saver.wait()  # create() removes temporaries: the commit in flight must be done first
             self.check()  # a failed background commit stops every rank here, not a step later
         commit = step_commit(self._place(step))
-        kind = "a state with DTensors" if sharded else "no DTensors"
-        with together(f"checkpoint {step}: create, {kind}", self.timeout, f"checkpoint {step}: create"):
+        state_kind = "a state with DTensors" if sharded else "no DTensors"
+        with together(f"checkpoint {step}: create, {state_kind}", self.timeout, f"checkpoint {step}: create"):
             if sharded:
                 require_shared(where, self.root)  # the placement is agreed: every rank with DTensors raises alike
             refuse_sharded(writer_files, f"checkpoint {step}")  # every rank: the writers write theirs whole

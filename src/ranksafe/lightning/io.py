@@ -30,7 +30,7 @@ from ..saving import error_naming_target
 def path_key(path: _PATH) -> str:
     """The absolute local path, or the URL: what a save is told apart by."""
     scheme, where = remote.split(path)
-    return where if scheme else os.path.abspath(where)
+    return where if scheme else os.path.abspath(os.path.expanduser(where))  # ~ as the manager's root takes it
 
 
 def link(filepath: str, linkpath: str) -> None:
