@@ -627,7 +627,28 @@ def test_the_per_step_check_costs_one_store_request_and_waits_for_no_rank():
     assert values[1][0][1] < 1.5  # rank 1's polls ran while rank 0 slept 2 s
 
 
-def _posted_then_checked(rank, root):
+class _SlowReads:
+    """A store whose reads of a notice come late and take long: rank 1 has posted its notice before the check
+    (0.5 s), and withdraws it (1 s: its own check() reports the failure instead) before the get (2.5 s)."""
+
+    def __init__(self, store):
+        self._store = store
+
+    def check(self, keys):
+        if any("notice/" in k for k in keys):
+            time.sleep(0.5)
+        return self._store.check(keys)
+
+    def get(self, key):
+        if "notice/" in key:
+            time.sleep(2)
+        return self._store.get(key)
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+def _posted_then_checked(rank, root, slow_reads=False):
     if rank == 1:
         open(os.path.join(root, "r1"), "w").close()
     saver = ranksafe.AsyncSaver(writer="all")
@@ -635,7 +656,11 @@ def _posted_then_checked(rank, root):
     saver.poll()
     saver.save({"w": 1}, os.path.join(root, f"r{rank}", "w.pt"))
     saver.wait()
+    if slow_reads and rank == 0:
+        collectives._session.store = _SlowReads(collectives._session.store)
     saver.poll()  # rank 1 posts its failure, due at the next poll
+    if slow_reads and rank == 1:
+        time.sleep(1)
     out = []
     try:
         saver.check()  # but the full check comes first: it reports the failure
@@ -646,8 +671,9 @@ def _posted_then_checked(rank, root):
     return out
 
 
-def test_the_full_check_reports_a_posted_failure_once(tmp_path):
-    assert run_ranks(_posted_then_checked, 2, args=(str(tmp_path),)).values == [[[1]], [[1]]]
+@pytest.mark.parametrize("slow_reads", [False, True], ids=["", "withdrawn-while-read"])
+def test_the_full_check_reports_a_posted_failure_once(tmp_path, slow_reads):
+    assert run_ranks(_posted_then_checked, 2, args=(str(tmp_path), slow_reads)).values == [[[1]], [[1]]]
 
 
 def test_the_per_step_check_in_a_single_process_raises_the_error_itself_at_once(tmp_path, monkeypatch):

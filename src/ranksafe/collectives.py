@@ -682,6 +682,10 @@ def _store_answers(store: dist.Store) -> bool:
 # -- step notices ----------------------------------------------------------------------------------------------
 
 
+_WITHDRAWN = b"ranksafe: withdrawn"
+"""What a withdrawn notice's key holds (a pickle never starts so)."""
+
+
 @dataclass(frozen=True)
 class Notice:
     """What :meth:`StepNotice.post` wrote: ``rank`` posted ``payload``, due at step boundary ``at``."""
@@ -736,7 +740,10 @@ class StepNotice:
             return self._local
         s, key = where
         with _store_errors(s, self.name):
-            return pickle.loads(s.store.get(key)) if s.store.check([key]) else None
+            if not s.store.check([key]):
+                return None
+            data = s.store.get(key)
+        return None if data == _WITHDRAWN else pickle.loads(data)
 
     def poll(self) -> Notice | None:
         """Count one step boundary; return the notice due now (or passed), else None. Every rank, once per
@@ -759,20 +766,26 @@ class StepNotice:
             self._local = self._local or notice
             return self._local
         s, key = where
+        data = pickle.dumps(notice)
         with _store_errors(s, self.name):
-            return pickle.loads(s.store.compare_set(key, "", pickle.dumps(notice)))
+            standing = s.store.compare_set(key, "", data)
+            if standing == _WITHDRAWN:  # a notice withdrawn at this generation: this one takes its place
+                standing = s.store.compare_set(key, _WITHDRAWN, data)
+        return pickle.loads(standing)
 
     def withdraw(self) -> None:
-        """Remove the standing notice before it is due, on the rank that posted it, when its payload travels
-        another way: a collective that every rank reaches before the next boundary, which reports it (the
-        other ranks read the store only after this rank has joined that collective). Local."""
+        """Take the standing notice back before it is due, on the rank that posted it, when its payload travels
+        another way: a collective that every rank reaches before the next boundary, which reports it. Local.
+
+        The key is overwritten with a mark, not deleted: another rank may be reading it at this boundary still
+        (between its check and its get), and a get of a deleted key waits for it, or reads nothing."""
         where = self._where()
         if where is None:
             self._local = None
             return
         s, key = where
         with _store_errors(s, self.name):
-            s.store.delete_key(key)
+            s.store.set(key, _WITHDRAWN)
 
 
 @contextlib.contextmanager
