@@ -1,0 +1,226 @@
+"""A state taken apart for a snapshot: its structure, with a slot where each tensor was, and those tensors.
+
+:class:`Flattened` walks a state once. Containers are copied, each tensor that a flat copy can hold is replaced by
+a slot, everything else is deep-copied at once (what the caller changes later never reaches the snapshot).
+:meth:`Flattened.assemble` puts copies of the tensors back into the slots, dressed as the originals were (a
+Parameter, a DTensor, ``requires_grad``), one object again where the state held one object twice. Local.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import UserDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+try:  # DTensor exists wherever torch.distributed is built in; keep the module importable without it
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover
+    DTensor = None  # type: ignore[assignment,misc]
+
+# Immutable leaves: deepcopy would return them unchanged, at the price of a call each.
+_ATOMS = frozenset({int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size})
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_COMPRESSED = frozenset({torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc})
+
+
+class _Slot:
+    """Where staged tensor number ``index`` goes in a captured structure."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+@dataclass(frozen=True)
+class _Grad:
+    """How a staged copy carries the original's autograd flags, as ``torch.save`` keeps them: a Parameter stays
+    one; a plain tensor that requires grad (a leaf such as SAC's ``log_alpha``) still does."""
+
+    parameter: bool
+    requires_grad: bool
+
+    def dress(self, staged: torch.Tensor) -> torch.Tensor:
+        if self.parameter:
+            return torch.nn.Parameter(staged, requires_grad=self.requires_grad)
+        return staged.detach().requires_grad_(self.requires_grad)  # a new object: the staged one is reused
+
+
+@dataclass(frozen=True)
+class _AsDTensor:
+    """A DTensor rebuilt around the staged copy of its local shard, with the original's mesh, placements, global
+    shape and strides, by DTensor's own flatten/unflatten protocol (``DTensor.from_local`` would move the staged
+    shard back to the mesh's device)."""
+
+    inner: dict[str, Any]  # what __tensor_flatten__ names, the local shard under ``local``
+    local: str
+    context: Any
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+    def dress(self, staged: torch.Tensor) -> torch.Tensor:
+        return DTensor.__tensor_unflatten__({**self.inner, self.local: staged}, self.context, self.shape, self.stride)
+
+
+Clothes = _Grad | _AsDTensor
+_REQUIRES_GRAD = _Grad(parameter=False, requires_grad=True)
+
+
+def _dtensor_parts(t: Any) -> tuple[torch.Tensor, _AsDTensor]:
+    """A DTensor's local shard, and how to make its staged copy that DTensor again."""
+    names, context = t.__tensor_flatten__()
+    inner = {name: getattr(t, name) for name in names}
+    (local,) = [name for name, value in inner.items() if isinstance(value, torch.Tensor)]
+    return inner[local], _AsDTensor(inner, local, context, t.shape, t.stride())
+
+
+def _stageable(t: torch.Tensor) -> tuple[torch.Tensor, Clothes | None] | None:
+    """The tensor whose values a snapshot stages for ``t`` (a DTensor's local shard) and how to dress the staged
+    copy; None where no flat copy can hold ``t``: an unknown subclass, or a sparse, nested, quantized or meta one."""
+    kind = type(t)
+    if kind is torch.Tensor:
+        local, clothes = t, (_REQUIRES_GRAD if t.requires_grad else None)
+    elif kind is torch.nn.Parameter:
+        local, clothes = t, _Grad(parameter=True, requires_grad=t.requires_grad)
+    elif DTensor is not None and kind is DTensor:
+        local, clothes = _dtensor_parts(t)
+        if type(local) not in _PLAIN:
+            return None
+    else:
+        return None
+    if local.layout is not torch.strided or local.is_quantized or local.is_nested or local.is_meta:
+        return None
+    return local, clothes
+
+
+class Flattened:
+    """``state`` after one walk: :attr:`skeleton`, a copy of its structure with a slot for each tensor to stage, and
+    :attr:`sources`, those tensors (a DTensor's local shard for the DTensor).
+
+    Walked: dicts (and their subclasses), UserDicts, lists, tuples and namedtuples. Every other leaf, and any other
+    container, is deep-copied now. A tensor met twice gets two slots, made one object again by :meth:`assemble`."""
+
+    def __init__(self, state: Any) -> None:
+        self.sources: list[torch.Tensor] = []  # the tensors to stage, in slot order
+        self.originals: list[torch.Tensor] = []  # the tensor each source stands for (a DTensor for its shard)
+        self._clothes: dict[int, Clothes] = {}  # by slot: how a staged copy is dressed, read now, not at assembly
+        self._containers: set[int] = set()  # ids of the containers this walk made: the ones assembly fills in
+        self._memo: dict[int, Any] = {}  # deepcopy's: an object met twice is copied once
+        self.skeleton = self.walk(state)
+
+    def walk(self, obj: Any) -> Any:
+        """The copy of ``obj``, tensors replaced by slots."""
+        kind = type(obj)
+        if kind in _ATOMS:
+            return obj
+        if isinstance(obj, torch.Tensor):
+            return self._tensor(obj)
+        if kind is dict:
+            tensor = torch.Tensor  # the bulk of a state: tensors in dicts, taken without the general path
+            return self._made({k: self._tensor(v) if isinstance(v, tensor) else self.walk(v) for k, v in obj.items()})
+        if kind is list:
+            return self._made([self.walk(v) for v in obj])
+        if kind is tuple:
+            return self._made(tuple([self.walk(v) for v in obj]))
+        if isinstance(obj, tuple) and hasattr(kind, "_fields"):  # a namedtuple
+            return self._made(kind(*[self.walk(v) for v in obj]))
+        if isinstance(obj, (dict, UserDict)):
+            return self._mapping(obj)
+        if kind is memoryview:  # raw bytes (a checkpoint's extra file): deepcopy cannot copy one
+            return obj.tobytes()
+        return copy.deepcopy(obj, self._memo)
+
+    def _mapping(self, obj: dict | UserDict) -> Any:
+        """``copy.copy`` keeps the mapping's type and attributes (OrderedDict from ``state_dict()``, defaultdict)
+        and gives these kinds contents of their own, which are then walked. One that refuses assignment (torch.fx's
+        ``immutable_dict``) is deep-copied whole, before any of its tensors is counted. (Any other mapping is too:
+        its copy may share its contents, and filling it would write into the live state.)"""
+        try:
+            out = copy.copy(obj)
+            for k in out:  # can it be filled?
+                out[k] = out[k]
+                break
+        except TypeError:
+            return copy.deepcopy(obj, self._memo)
+        for k, v in obj.items():
+            out[k] = self.walk(v)
+        return self._made(out)
+
+    def _made(self, container: Any) -> Any:  # a container of ours: assembly may fill it in place
+        self._containers.add(id(container))
+        return container
+
+    def _tensor(self, t: torch.Tensor) -> Any:
+        parts = _stageable(t)
+        if parts is None:
+            # Copied now: deep-copied, which keeps its type and flags, or cloned where deepcopy cannot reach the
+            # storage. A tensor met again is the same copy.
+            if id(t) not in self._memo:
+                unreachable = t.is_nested or t.layout in _COMPRESSED
+                self._memo[id(t)] = t.detach().clone() if unreachable else copy.deepcopy(t, self._memo)
+            return self._memo[id(t)]
+        slot = _Slot(len(self.sources))
+        self.sources.append(parts[0])
+        self.originals.append(t)
+        if parts[1] is not None:
+            self._clothes[slot.index] = parts[1]
+        return slot
+
+    def _aliases(self) -> dict[int, int]:
+        """Slots whose tensor is the very object of an earlier slot (their first): one object in the state stays
+        one object in the snapshot. Telling them apart as they come would cost a lookup per tensor."""
+        ids = list(map(id, self.originals))
+        if len(set(ids)) == len(ids):
+            return {}
+        first: dict[int, int] = {}
+        return {i: first[x] for i, x in enumerate(ids) if first.setdefault(x, i) != i}
+
+    def assemble(self, staged: list[torch.Tensor]) -> Any:
+        """The skeleton holding ``staged`` (one copy per source, in slot order), dressed as the originals were.
+        Once: the skeleton is filled in place."""
+        values = list(staged)
+        for i, clothes in self._clothes.items():
+            values[i] = clothes.dress(values[i])
+        for i, first in self._aliases().items():
+            values[i] = values[first]
+        return _fill(self.skeleton, values, self._containers)
+
+    def where(self, source: int) -> str:
+        """Where source number ``source`` is in the state, as ``state['model']['w']``; for error messages."""
+        return _key_path(self.skeleton, source) or "a tensor of the state"
+
+
+def _fill(obj: Any, values: list[torch.Tensor], made: set[int]) -> Any:
+    """``obj`` with its slots replaced by ``values``, in place in the containers the walk made (ours to change);
+    what the walk deep-copied holds no slot and is left alone."""
+    if type(obj) is _Slot:
+        return values[obj.index]
+    if id(obj) not in made:
+        return obj
+    if isinstance(obj, tuple):
+        items = [_fill(v, values, made) for v in obj]
+        return type(obj)(*items) if hasattr(type(obj), "_fields") else tuple(items)
+    for k, v in list(obj.items() if isinstance(obj, (dict, UserDict)) else enumerate(obj)):
+        obj[k] = _fill(v, values, made)
+    return obj
+
+
+def _key_path(obj: Any, index: int, path: str = "state") -> str | None:
+    """Where the slot numbered ``index`` is in the walked containers of ``obj``."""
+    if type(obj) is _Slot:
+        return path if obj.index == index else None
+        return path
+    if isinstance(obj, (Mapping, UserDict)):
+        items = obj.items()
+    elif isinstance(obj, (list, tuple)):
+        items = enumerate(obj)
+    else:
+        return None
+    for k, v in items:
+        if (found := _key_path(v, index, f"{path}[{k!r}]")) is not None:
+            return found
+    return None
