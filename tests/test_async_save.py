@@ -448,14 +448,14 @@ def test_interpreter_exit_waits_for_the_write_in_flight(tmp_path):
 
 
 def _two_savers(rank):
-    from ranksafe import collectives
+    from ranksafe import exchange as protocol
     from ranksafe.async_save import check_savers
 
     a, b = AsyncSaver(writer="all"), AsyncSaver(writer="all")
     check_savers([a, b], "two")  # warms up the session
-    before = collectives._session.seq
+    before = protocol._session.seq
     check_savers([a, b], "two")
-    quiet = collectives._session.seq - before
+    quiet = protocol._session.seq - before
 
     def fail(snapshot):
         raise OSError(28, "No space left on device (second saver)")

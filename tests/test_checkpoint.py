@@ -21,7 +21,8 @@ import pytest
 import torch
 
 import ranksafe
-from ranksafe import cli, collectives, commit
+from ranksafe import cli, commit
+from ranksafe import exchange as protocol
 from ranksafe.checkpoint import AtomicDir, CheckpointManager, list_steps, verify_step
 from tests.ranks import run_ranks
 from tests.test_storage import as_node, node_disk
@@ -176,9 +177,9 @@ def _costs(rank, base, per_node, shared):
     exchanges = []
     with _FsCounter() as fs:
         for step in range(1, 10):
-            seq = collectives._session.seq
+            seq = protocol._session.seq
             mgr.save(step, _state(step))
-            exchanges.append(collectives._session.seq - seq)
+            exchanges.append(protocol._session.seq - seq)
     ranksafe.barrier("all saved")
     return {"writer": mgr.placement.writer, "exchanges": exchanges, "fs": fs.count, "listing": os.listdir(root)}
 

@@ -17,7 +17,8 @@ import types
 import torch
 
 import ranksafe
-from ranksafe import StateDictLock, collectives
+from ranksafe import StateDictLock
+from ranksafe import exchange as protocol
 from ranksafe.checkpoint import CheckpointManager
 from tests.ranks import run_ranks
 
@@ -100,9 +101,9 @@ def _async_manager(rank, base):
     log = RenameLog(os.path.abspath(root))
     seqs = []
     for step in range(2, 7):
-        seq = collectives._session.seq
+        seq = protocol._session.seq
         mgr.save(step, {"w": torch.full((1000,), float(step))})
-        seqs.append(collectives._session.seq - seq)
+        seqs.append(protocol._session.seq - seq)
     out["latest"] = mgr.latest()  # waits for the commit in flight
     log.close()
     out["renames"], out["exchanges"] = log.events, seqs

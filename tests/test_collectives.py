@@ -11,7 +11,8 @@ import pytest
 
 import ranksafe
 from ranksafe import collectives
-from ranksafe.collectives import StepNotice
+from ranksafe import exchange as protocol
+from ranksafe.notice import StepNotice
 from tests.ranks import run_ranks
 
 
@@ -66,10 +67,10 @@ def test_together_raises_on_every_rank_within_seconds():
 
 def _count_exchanges(rank):
     ranksafe.barrier("warm")
-    before = collectives._session.seq
+    before = protocol._session.seq
     with ranksafe.together("quiet"):
         pass
-    return collectives._session.seq - before
+    return protocol._session.seq - before
 
 
 def test_together_costs_one_exchange_when_nothing_fails():
@@ -251,7 +252,7 @@ def test_after_an_abort_every_rank_leaves_an_exchange_with_the_same_outcome():
 def _withdrawn_while_waiting(rank):
     """Rank 1 waits in an exchange and its abort grace ends in the moment between rank 0 withdrawing the abort
     (every rank has posted) and rank 0 writing the result, a moment widened here by a slow result write."""
-    decide = collectives._decide
+    decide = protocol._decide
 
     def slow_decide(*args):
         time.sleep(2.0)  # the abort is withdrawn; rank 1's grace ends meanwhile
@@ -261,11 +262,11 @@ def _withdrawn_while_waiting(rank):
     if rank == 0:
         collectives.abort(ValueError("rank 0 failed, caught it and goes on"))
         time.sleep(1.0)  # rank 1 waits below; its 2 s grace runs
-        collectives._decide = slow_decide
+        protocol._decide = slow_decide
     else:
         time.sleep(0.2)  # rank 0's abort is posted: rank 1's wait below notices it at once
     out = [_outcome(lambda: ranksafe.barrier("every rank arrives"))]
-    collectives._decide = decide
+    protocol._decide = decide
     out.append(_outcome(lambda: ranksafe.barrier("next")))
     return out
 
@@ -581,8 +582,8 @@ def _steps_cost(rank, steps):
     ranksafe.barrier("warm")
     saver = ranksafe.AsyncSaver(writer="all")
     saver.poll()  # the first use of the notice: no store request but its read
-    counting = _CountingStore(collectives._session.store)
-    collectives._session.store = counting
+    counting = _CountingStore(protocol._session.store)
+    protocol._session.store = counting
     try:
         if rank == 0:
             time.sleep(2)  # rank 1 polls meanwhile: nothing waits for rank 0
@@ -595,7 +596,7 @@ def _steps_cost(rank, steps):
             saver.check()
         check = counting.requests
     finally:
-        collectives._session.store = counting.store
+        protocol._session.store = counting.store
     return poll, check
 
 
@@ -657,7 +658,7 @@ def _posted_then_checked(rank, root, slow_reads=False):
     saver.save({"w": 1}, os.path.join(root, f"r{rank}", "w.pt"))
     saver.wait()
     if slow_reads and rank == 0:
-        collectives._session.store = _SlowReads(collectives._session.store)
+        protocol._session.store = _SlowReads(protocol._session.store)
     saver.poll()  # rank 1 posts its failure, due at the next poll
     if slow_reads and rank == 1:
         time.sleep(1)

@@ -39,7 +39,7 @@ from fastai.tabular.all import (
 
 import ranksafe
 import ranksafe.fastai as rf
-from ranksafe import collectives
+from ranksafe import exchange as protocol
 from ranksafe.fastai import RankSafe
 from tests.ranks import free_port, run_ranks
 
@@ -101,7 +101,7 @@ class Watch(Callback):
     def after_epoch(self):
         self.epochs += 1
         self.weights.append(params(self.learn))
-        s = collectives._session
+        s = protocol._session
         self.seqs.append(s.seq if s is not None else None)
 
 

@@ -23,7 +23,7 @@ from fastai.torch_core import set_seed
 from torch.amp import GradScaler, autocast
 
 import ranksafe
-from ranksafe import collectives
+from ranksafe import exchange as protocol
 from ranksafe.checkpoint import list_steps, read_manifest
 from ranksafe.fastai import RankSafe
 from tests.ranks import run_ranks
@@ -45,7 +45,7 @@ class Watch(Callback):
         self.trained.append(self.epoch)
 
     def after_epoch(self):
-        s = collectives._session
+        s = protocol._session
         self.seqs.append(s.seq if s is not None else None)
 
 

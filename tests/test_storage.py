@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from ranksafe import collectives, storage
+from ranksafe import exchange as protocol
 from ranksafe.checkpoint import CheckpointManager
 from tests.ranks import run_ranks
 
@@ -61,9 +62,9 @@ def node_disk(base, node: int) -> str:
 def _detect(rank, base, per_node, shared):
     root = as_node(rank, per_node, base, shared)
     kind = storage.detect(root)
-    seq = collectives._session.seq
+    seq = protocol._session.seq
     again = storage.placement(root)
-    cached = collectives._session.seq - seq
+    cached = protocol._session.seq - seq
     collectives.barrier("probe done everywhere")
     return {
         "kind": kind,
@@ -113,10 +114,10 @@ def test_nodes_sharing_a_disk_get_one_writer_per_disk(tmp_path):
 def _explicit(rank, base):
     root = as_node(rank, 2, base, shared=True)
     collectives.barrier("warm")
-    seq = collectives._session.seq
+    seq = protocol._session.seq
     local = storage.placement(root, "local")
     shared = storage.placement(root, "shared")
-    return local.kind, local.writer, shared.kind, shared.writer, collectives._session.seq - seq
+    return local.kind, local.writer, shared.kind, shared.writer, protocol._session.seq - seq
 
 
 def test_explicit_storage_overrides_the_probe_without_collectives(tmp_path):

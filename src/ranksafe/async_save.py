@@ -6,7 +6,7 @@ commits it with the same atomic protocol as a synchronous save (:func:`ranksafe.
 
 Failures travel like every ranksafe failure: the background thread records its exception, and every rank
 raises the same :class:`~ranksafe.RankFailure`: at the next step with :meth:`AsyncSaver.poll` (one store read per
-step while no rank has a failure, through a :class:`~ranksafe.collectives.StepNotice`), or in
+step while no rank has a failure, through a :class:`~ranksafe.notice.StepNotice`), or in
 :meth:`AsyncSaver.check` and :meth:`AsyncSaver.close` (one exchange, which waits for every rank). The background
 thread itself never runs a collective: it would race the training thread's collectives for the shared sequence.
 """
@@ -28,10 +28,11 @@ from typing import Any
 
 from . import remote, topology
 from .choice import Choice
-from .collectives import StepNotice, share_outcome, together
+from .collectives import share_outcome, together
 from .errors import BarrierTimeout, CollectiveMismatch, Failure, rank_failure
 from .files import atomic_save, local_path, make_dirs, probe_write
 from .lock import StateDictLock
+from .notice import StepNotice
 from .saving import Writer, error_naming_target, is_writer
 from .sharded import refuse_sharded
 from .snapshot import Captured, StagingBuffers
@@ -385,7 +386,7 @@ class AsyncSaver:
         Call it on every rank once per training step, after the step. While no rank has a failure it costs one
         non-blocking store read and waits for no rank. A rank whose write failed posts the failure in this call
         and returns; at the next call every rank, that one too, raises the same :class:`~ranksafe.RankFailure`
-        (why the next and not this one: :class:`~ranksafe.collectives.StepNotice`). Each failure is reported
+        (why the next and not this one: :class:`~ranksafe.notice.StepNotice`). Each failure is reported
         once, here or by :meth:`check`/:meth:`close`. In a single process the original error is raised at once.
         """
         self._not_from_writer_thread("poll")

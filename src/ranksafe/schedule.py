@@ -4,7 +4,7 @@ cluster preempts the job.
 A decision that ranks took each on their own would split them: clocks differ between nodes (one rank finds the
 interval over, another not), and a stop signal reaches ranks at different moments, or only some of them. A rank
 that decides to save or to stop then waits in a collective the others never enter. Here the step interval needs no
-exchange (every rank counts the same steps); the two others are :class:`~ranksafe.collectives.StepNotice`\\ s: the
+exchange (every rank counts the same steps); the two others are :class:`~ranksafe.notice.StepNotice`\\ s: the
 rank that knows (rank 0 for the clock, a signalled rank for a preemption) posts at its step boundary ``n``, and
 every rank acts at ``n + 1``. While nothing is posted a step costs one non-blocking store read per notice.
 """
@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from . import topology
-from .collectives import StepNotice
+from .notice import StepNotice
 from .preemption import DEFAULT_SIGNALS, Signals
 
 

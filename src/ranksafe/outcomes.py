@@ -1,0 +1,82 @@
+"""What one exchange can end with (:mod:`ranksafe.exchange`): one typed outcome, the same on every rank.
+
+Rank 0 proposes an :data:`Outcome` once every rank has posted; a rank that gives up waiting proposes its own
+verdict instead. Whoever writes first decides for all (``compare_set`` on an absent key), and every rank then
+*settles* it: returns the agreed value, or raises the same error. The states and transitions of this failure path
+are one table in ``docs/design.md``, each row with the test that proves it.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import BarrierTimeout, CollectiveMismatch, Failure, rank_failure
+
+
+@dataclass(frozen=True)
+class Agreed:
+    """Every rank posted to the same collective; ``value`` is the reduction of their values."""
+
+    value: Any
+
+    def settle(self, what: str, timeout: float) -> Any:
+        """The value, on every rank."""
+        return self.value
+
+
+@dataclass(frozen=True)
+class TimedOut:
+    """The timeout passed before the ``missing`` ranks posted."""
+
+    missing: tuple[int, ...]
+
+    def settle(self, what: str, timeout: float) -> Any:
+        """Raise :class:`BarrierTimeout` naming the missing ranks."""
+        raise BarrierTimeout(what, list(self.missing), timeout)
+
+
+@dataclass(frozen=True)
+class Diverged:
+    """Every rank posted, to collectives of different ``names`` (in rank order): their control flow diverged."""
+
+    names: tuple[str, ...]
+
+    def settle(self, what: str, timeout: float) -> Any:
+        """Raise :class:`CollectiveMismatch` naming each rank's collective."""
+        raise CollectiveMismatch(
+            what, [Failure(r, "ranksafe.CollectiveMismatch", f"was in {n!r}") for r, n in enumerate(self.names)]
+        )
+
+
+@dataclass(frozen=True)
+class Failed:
+    """Ranks failed: aborted ranks the exchange waited for in vain, or rank 0's reduction of the values."""
+
+    failures: tuple[Failure, ...]
+
+    def settle(self, what: str, timeout: float) -> Any:
+        """Raise the same :class:`RankFailure` (of the failures' type, when they share one) on every rank."""
+        raise rank_failure(what, list(self.failures))
+
+
+Outcome = Agreed | TimedOut | Diverged | Failed
+
+
+class Wait(enum.Enum):
+    """How a wait for keys in the store ended (:func:`_wait_for`)."""
+
+    ARRIVED = "every key awaited is there"
+    DECIDED = "another rank wrote the outcome first"
+    TIMED_OUT = "the timeout passed"
+    GRACE_OVER = "a rank has aborted, and the abort grace passed"
+
+
+@dataclass(frozen=True)
+class Abort:
+    """A rank's failure outside a shared section, posted under its abort key: it failed at or after exchange
+    ``at`` (the number of exchanges it had entered), and why."""
+
+    at: int
+    failure: Failure
