@@ -23,7 +23,7 @@ def _table(stdout: str) -> list[dict[str, str]]:
 
 def test_quick_run_prints_every_method_with_parseable_numbers(tmp_path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--quick", "--dir", str(tmp_path)],
+        [sys.executable, "-m", "benchmarks", "--quick", "--reps", "1", "--dir", str(tmp_path)],
         cwd=ROOT,
         capture_output=True,
         text=True,
