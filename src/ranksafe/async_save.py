@@ -23,7 +23,6 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from enum import Enum
-from queue import SimpleQueue
 from typing import Any
 
 from . import remote, topology
@@ -33,6 +32,7 @@ from .errors import BarrierTimeout, CollectiveMismatch, Failure, rank_failure
 from .files import atomic_save, local_path, make_dirs, probe_write
 from .lock import StateDictLock
 from .notice import StepNotice
+from .parked_thread import ParkedThread
 from .saving import Writer, error_naming_target, is_writer
 from .sharded import refuse_sharded
 from .snapshot import Captured, StagingBuffers
@@ -48,72 +48,6 @@ class BusyPolicy(Choice):
 OnCommit = Callable[[Any], None]
 
 _live: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()
-
-
-def _serve(jobs: SimpleQueue) -> None:
-    """The writer thread's life: run each job it is handed, until it is handed ``None``."""
-    while True:
-        job = jobs.get()
-        if job is None:
-            return
-        job()
-        del job  # a parked thread must not keep its last job, and the saver that job refers to, alive
-
-
-def _stop(jobs: SimpleQueue, thread: list[threading.Thread], guard: threading.Lock, join: bool) -> None:
-    """Hand the parked thread (if any) its ``None``; with ``join``, wait until it has exited. Under ``guard``, so a
-    job handed meanwhile goes to this thread before its ``None`` or to a new thread after it, never behind it."""
-    with guard:
-        if thread:
-            jobs.put(None)
-            if join:
-                thread[0].join()
-            thread.clear()
-
-
-class ParkedThread:
-    """One thread, started on first use, then parked on a queue between jobs; stopped by :meth:`shutdown` or
-    when this object is garbage-collected.
-
-    Parked, not started per job: ``Thread.start()`` waits until the new thread first runs, which cost the caller
-    of a save 0.3-0.8 ms here. A daemon thread, so that a parked one never holds up interpreter exit; the exit
-    hook of this module waits for the write in flight and joins the thread before the interpreter finalizes (a
-    daemon thread still running then is killed where it stands, and inside a C++ destructor, a tensor its last
-    job freed, that aborts the process).
-    """
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._jobs: SimpleQueue = SimpleQueue()
-        self._thread: list[threading.Thread] = []  # zero or one; a list, shared with the finalizer
-        self._guard = threading.Lock()  # start/hand against stop: see _stop
-        finalizer = weakref.finalize(self, _stop, self._jobs, self._thread, self._guard, False)
-        finalizer.atexit = False  # at exit, _wait_at_exit joins it instead
-
-    def start(self) -> None:
-        """Start the thread unless it runs (waiting until it does, so the first job does not pay for it)."""
-        with self._guard:
-            self._start()
-
-    def _start(self) -> None:
-        if not self._thread:
-            t = threading.Thread(target=_serve, args=(self._jobs,), name=self.name, daemon=True)
-            t.start()
-            self._thread.append(t)
-
-    def is_current(self) -> bool:
-        """Whether the caller runs on this thread (inside one of its jobs)."""
-        return bool(self._thread) and self._thread[0] is threading.current_thread()
-
-    def hand(self, job: Callable[[], None]) -> None:
-        """Queue ``job`` for the thread (started if needed); returns at once."""
-        with self._guard:
-            self._start()
-            self._jobs.put(job)
-
-    def shutdown(self) -> None:
-        """Stop the thread once its queued jobs are done, and wait for it. :meth:`hand` starts a new one."""
-        _stop(self._jobs, self._thread, self._guard, join=True)
 
 
 class WriteState(Enum):
@@ -540,9 +474,9 @@ def _report_unchecked(failure: list[BaseException | None]) -> None:
 def _wait_at_exit() -> None:
     """No checkpoint in flight is lost when the process exits; an unreported failure is printed (once).
 
-    The writer threads are stopped and joined here, before the interpreter finalizes (see :class:`ParkedThread`).
-    Runs from ``atexit`` and from multiprocessing's exit handlers: a process that multiprocessing forked ends
-    with ``os._exit``, which skips ``atexit``.
+    The writer threads are stopped and joined here, before the interpreter finalizes (see
+    :class:`~ranksafe.parked_thread.ParkedThread`). Runs from ``atexit`` and from multiprocessing's exit handlers:
+    a process that multiprocessing forked ends with ``os._exit``, which skips ``atexit``.
     """
     for saver in list(_live):
         saver.shutdown()

@@ -122,33 +122,44 @@ def run(ranks: int = 4, rounds: int = 10, timeout: float = 180.0) -> int:
     """Run the demo on ``ranks`` spawned CPU processes; print what happened. Returns an exit code."""
     print(f"ranksafe demo: {ranks} processes (torch.multiprocessing spawn, gloo, CPU), {rounds} save rounds each\n")
     with tempfile.TemporaryDirectory(prefix="ranksafe-demo-") as root:
-        ctx = mp.get_context("spawn")
-        queue = ctx.Queue()
-        port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(r, ranks, port, root, rounds, queue)) for r in range(ranks)]
-        for p in procs:
-            p.start()
-        results, deadline = [], time.monotonic() + timeout
-        progress = _Progress(ranks, rounds)
-        while len(results) < ranks and time.monotonic() < deadline:
-            try:
-                message = queue.get(timeout=1)
-            except Exception:
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    break
-                continue
-            if "progress" in message:
-                progress.add(message)
-            else:
-                results.append(message)
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-            if p.is_alive():
-                p.kill()
+        results, exitcodes = _run_ranks(ranks, rounds, timeout, root)
     if len(results) < ranks:
-        print(f"FAILED: only {len(results)} of {ranks} ranks reported (exit codes {[p.exitcode for p in procs]})")
+        print(f"FAILED: only {len(results)} of {ranks} ranks reported (exit codes {exitcodes})")
         return 1
-    results.sort(key=lambda r: r["rank"])
+    return _report(sorted(results, key=lambda r: r["rank"]), rounds, root)
+
+
+def _run_ranks(ranks: int, rounds: int, timeout: float, root: str) -> tuple[list[dict], list[int | None]]:
+    """Start the ranks, print their progress, and collect each rank's result (fewer if some never report)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, ranks, port, root, rounds, queue)) for r in range(ranks)]
+    for p in procs:
+        p.start()
+    results, deadline = [], time.monotonic() + timeout
+    progress = _Progress(ranks, rounds)
+    while len(results) < ranks and time.monotonic() < deadline:
+        try:
+            message = queue.get(timeout=1)
+        except Exception:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                break
+            continue
+        if "progress" in message:
+            progress.add(message)
+        else:
+            results.append(message)
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+    return results, [p.exitcode for p in procs]
+
+
+def _report(results: list[dict], rounds: int, root: str) -> int:
+    """Print each rank's result and the totals; 0 when ranksafe made no error and every rank heard the failure."""
+    ranks = len(results)
     print(f"{'rank':>4} {'RANK env':>8} {'local':>5} {'loss':>8} {'naive errors':>12} {'ranksafe errors':>15}")
     for r in results:
         env_rank = r["env_rank"] or "-"
