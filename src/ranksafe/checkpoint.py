@@ -249,29 +249,41 @@ class CheckpointManager:
             require_shared(where, self.root)
         with together(f"checkpoint {self.root}: warmup", self.timeout):
             if where.writer:
-                try:
-                    probe_write(self.root, self.storage_options)
-                    if isinstance(self._base, Remote):  # left for every rank to look for
-                        probe = self._base.child(f".ranksafe-probe-{os.getpid()}")
-                        with open_for_commit(probe) as f:
-                            f.write(b"probe")
-                except OSError as e:
-                    raise error_naming_target(e, "cannot write checkpoints to", self.root) from e
+                probe = self._probe_root()
             if self._saver is not None and example_state is not None and (where.writer or shards is not None):
                 self._saver.staging.capture(example_state if shards is None else shards)
         if isinstance(self._base, Remote):
-            name = broadcast(None if probe is None else probe.name, name="checkpoint warmup: probe")
-            try:
-                with together(f"checkpoint {self.root}: warmup, seen by every rank", self.timeout):
-                    if not self._base.child(name).exists():
-                        raise FileNotFoundError(
-                            f"{remote.where(self.root)} does not see what rank 0 wrote there: remote storage must be"
-                            " the same for every rank (memory:// lives in one process)"
-                        )
-            finally:  # once every rank looked; a probe left behind harms nothing, so its removal fails no rank
-                if probe is not None:
-                    with contextlib.suppress(OSError):
-                        probe.remove()
+            self._check_every_rank_sees(probe)
+
+    def _probe_root(self) -> Remote | None:
+        """Write and remove a small checkpoint at the root (an ``OSError`` names it); on remote storage, leave an
+        object there for every rank to look for, and return it."""
+        try:
+            probe_write(self.root, self.storage_options)
+            if not isinstance(self._base, Remote):
+                return None
+            probe = self._base.child(f".ranksafe-probe-{os.getpid()}")
+            with open_for_commit(probe) as f:
+                f.write(b"probe")
+            return probe
+        except OSError as e:
+            raise error_naming_target(e, "cannot write checkpoints to", self.root) from e
+
+    def _check_every_rank_sees(self, probe: Remote | None) -> None:
+        """Every rank looks for the object the writer left (``probe``, on the writer): remote storage must be the
+        same for every rank. Collective."""
+        name = broadcast(None if probe is None else probe.name, name="checkpoint warmup: probe")
+        try:
+            with together(f"checkpoint {self.root}: warmup, seen by every rank", self.timeout):
+                if not self._base.child(name).exists():
+                    raise FileNotFoundError(
+                        f"{remote.where(self.root)} does not see what rank 0 wrote there: remote storage must be"
+                        " the same for every rank (memory:// lives in one process)"
+                    )
+        finally:  # once every rank looked; a probe left behind harms nothing, so its removal fails no rank
+            if probe is not None:
+                with contextlib.suppress(OSError):
+                    probe.remove()
 
     # -- saving ---------------------------------------------------------------------------------------
 
