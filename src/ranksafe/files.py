@@ -437,6 +437,25 @@ def atomic_save(
     return remote.split(path)[1]
 
 
+def atomic_link(target: str, linkpath: str) -> None:
+    """Point ``linkpath`` at ``target``: a relative symlink, or a copy where links are not allowed (on remote
+    storage, a copy made by the store). Made beside ``linkpath`` and renamed over it, so the link is never missing."""
+    if remote.is_url(linkpath):
+        link = remote.Remote.of(linkpath)
+        link.fs.copy(remote.Remote.of(target).path, link.path)
+        return
+    if os.path.isdir(linkpath) and not os.path.islink(linkpath):
+        shutil.rmtree(linkpath)
+    temporary = f"{linkpath}.ranksafe-link"
+    if os.path.lexists(temporary):
+        os.remove(temporary)
+    try:
+        os.symlink(os.path.relpath(target, os.path.dirname(linkpath)), temporary)
+    except OSError:
+        shutil.copy(target, temporary)
+    os.replace(temporary, linkpath)
+
+
 def probe_write(directory: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> int | None:
     """Write and remove a small checkpoint in ``directory`` (created if needed); return the bytes free there, or
     None on remote storage (a URL). Raises what the write raised: a missing permission, a file in the way, a

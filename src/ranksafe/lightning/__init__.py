@@ -13,8 +13,8 @@ the same steps on every rank. With ``preemption=True`` a SIGTERM or SIGUSR1 to a
 every rank and a normal end of ``fit`` (then, under SLURM, the requeue Lightning would have made).
 """
 
+from ..monitor import MonitorAgreement, MonitorOp, UnsyncedMetricWarning
 from .callback import RankSafe
 from .io import RankSafeCheckpointIO
-from .monitor import MonitorAgreement, MonitorOp, UnsyncedMetricWarning
 
 __all__ = ["MonitorAgreement", "MonitorOp", "RankSafe", "RankSafeCheckpointIO", "UnsyncedMetricWarning"]
