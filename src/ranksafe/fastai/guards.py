@@ -75,9 +75,9 @@ _EVENTS: dict[type, dict[str, Callable[[Callback], None]]] = {
 }
 
 
-def guard(cbs: Iterable[Callback], kinds: tuple[type, ...] = tuple(_EVENTS)) -> list[tuple[Callback, tuple[str, ...]]]:
-    """Give the ``LRFinder`` and ``TerminateOnNaNCallback`` among ``cbs`` (those of ``kinds``) their rank-safe events;
-    returns what was set, for :func:`unguard`."""
+def guard(cbs: Iterable[Callback], kinds: tuple[type, ...]) -> list[tuple[Callback, tuple[str, ...]]]:
+    """Give the callbacks of ``kinds`` (``LRFinder``, ``TerminateOnNaNCallback``) among ``cbs`` their rank-safe
+    events; returns what was set, for :func:`unguard`."""
     guarded = []
     for cb in cbs:
         for kind, events in _EVENTS.items():

@@ -51,14 +51,17 @@ def _text() -> Any:
     return fastai.text.learner
 
 
+def _model_state(model: nn.Module, opt: Any, with_opt: bool) -> dict[str, Any]:
+    """What fastai's ``save_model`` writes: the model's state, beside the optimizer's when ``with_opt``."""
+    state = get_model(model).state_dict()
+    return {"model": state, "opt": opt.state_dict()} if with_opt and opt is not None else state
+
+
 def save_model(
     file: PathLike, model: nn.Module, opt: Any, with_opt: bool = True, pickle_protocol: int = 2, **torch_save_kwargs
 ) -> Path:
     """fastai's ``save_model`` as a collective: rank 0 writes ``file`` atomically, failures raise everywhere."""
-    state = get_model(model).state_dict()
-    if with_opt and opt is not None:
-        state = {"model": state, "opt": opt.state_dict()}
-    saving.save(state, file, pickle_protocol=pickle_protocol, **torch_save_kwargs)
+    saving.save(_model_state(model, opt, with_opt), file, pickle_protocol=pickle_protocol, **torch_save_kwargs)
     return Path(file)
 
 
@@ -204,10 +207,8 @@ def save(learn: Learner, file: Any, **kwargs: Any) -> Any:
     target = _model_file(learn, file)
     if isinstance(target, str | Path):  # a path or a URL; else a file object
         return save_model(target, learn.model, getattr(learn, "opt", None), **kwargs)
-    state = get_model(learn.model).state_dict()  # a file object belongs to this process alone
-    if kwargs.get("with_opt", True) and learn.opt is not None:
-        state = {"model": state, "opt": learn.opt.state_dict()}
-    torch.save(state, target, pickle_protocol=kwargs.get("pickle_protocol", 2))
+    state = _model_state(learn.model, learn.opt, kwargs.get("with_opt", True))
+    torch.save(state, target, pickle_protocol=kwargs.get("pickle_protocol", 2))  # a file object: this process's own
     return target
 
 

@@ -1,16 +1,11 @@
 """What a fastai run needs to continue where it stopped, and how it goes back in.
 
-A checkpoint of :class:`~ranksafe.fastai.RankSafe` holds ``state.pt`` (written once: model, optimizer,
-MixedPrecision's loss scale, GradientAccumulation's gradients not yet stepped, the epoch just completed, the
-Recorder's values, and which fit of the script wrote it)
-and one file per rank (``rng-00000.pt``, ...: that rank's random generators, its data loaders' own, and the Recorder's
-smoothed loss), so that a resumed run draws the same batches, augmentations and dropout masks as the uninterrupted one
-and logs the same ``train_loss``. Everything is plain tensors and built-in types: it loads with ``weights_only=True``.
-
-A checkpoint taken inside an epoch (a preemption, a save interval in steps or seconds) also holds how many of that
-epoch's training batches were done and where fastai's schedule stood (``pct_train``, ``train_iter``), and each rank's
-file the generators as they were when the epoch started, so that a resumed run shuffles that epoch alike
-(:mod:`ranksafe.fastai.mid_epoch`).
+A checkpoint of :class:`~ranksafe.fastai.RankSafe` holds ``state.pt``, written once (model, optimizer, MixedPrecision's
+loss scale, GradientAccumulation's gradients not yet stepped, the epoch, the Recorder's values, which fit of the
+script wrote it), and one file per rank (``rng-00000.pt``, ...) with that rank's random generators, its data loaders'
+own and the Recorder's smoothed loss: a resumed run draws the same batches, augmentations and dropout masks as the
+uninterrupted one, and logs the same ``train_loss``. Everything is plain tensors and built-in types, so it loads with
+``weights_only=True``. A checkpoint taken inside an epoch also holds where that epoch stood (:mod:`.mid_epoch`).
 """
 
 from __future__ import annotations
@@ -27,19 +22,15 @@ from fastai.torch_core import get_model
 from fastcore.foundation import L
 
 STATE = "state.pt"
-FIT, STEP_BASE = "fit", "step_base"
-"""Keys of :func:`training_state`: the ordinal of the fit that wrote it; the step number of its epoch 0."""
-STEPS, TRAIN_ITER = "steps", "train_iter"
-"""Keys of :func:`training_state`: the optimizer steps of the run so far (what the save schedule counts); fastai's
-count of the fit's training batches."""
+# keys of state.pt: the ordinal of the fit that wrote it, the step number of that fit's epoch 0, the optimizer steps
+# of the run (what the save schedule counts), fastai's count of the fit's training batches
+FIT, STEP_BASE, STEPS, TRAIN_ITER = "fit", "step_base", "steps", "train_iter"
+# ... only inside an epoch: its training batches done, fastai's pct_train then
 BATCHES, PCT_TRAIN = "batches", "pct_train"
-"""Keys of a checkpoint taken inside epoch ``epoch`` only: its training batches done; fastai's ``pct_train`` then."""
+# ... while GradientAccumulation holds gradients not yet stepped (its steps straddle an epoch's end)
 ACCUMULATED = "accumulated"
-"""Key of a checkpoint taken while ``GradientAccumulation`` holds gradients not yet stepped (its steps straddle an
-epoch's end): its count of rows, and every parameter's gradient (None where it has none)."""
+# key of a rank's file, inside an epoch: its generators when that epoch's training started
 EPOCH_START = "epoch_start"
-"""Key of a rank's file, in a checkpoint taken inside an epoch: its :func:`generators` when that epoch's training
-started."""
 
 
 def rng_file(rank: int) -> str:
