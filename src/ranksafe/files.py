@@ -580,6 +580,20 @@ def load_file(
 _DAMAGE = (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, KeyError, IndexError, OSError)
 
 
+class _BuiltinsOnly(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"refusing to import {module}.{name} from an untrusted pickle")
+
+
+def load_plain_pickle(data: bytes, path: str | os.PathLike) -> Any:
+    """Unpickle ``data``, read from ``path``, when it holds only built-in containers, numbers and strings (a
+    vocabulary, say); a pickle that would import any class or function raises :class:`UntrustedCheckpoint`."""
+    try:
+        return _BuiltinsOnly(io.BytesIO(data)).load()
+    except pickle.UnpicklingError as e:
+        raise UntrustedCheckpoint(path, str(e)) from e
+
+
 def _load_error(path: str, e: Exception, weights_only: bool | None, first: bytes) -> Exception:
     """What a failed ``torch.load`` of ``path`` (whose first bytes are ``first``) means, named for the user
     (``e`` itself: pass it on)."""

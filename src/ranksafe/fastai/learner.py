@@ -9,7 +9,6 @@ Learner first: they are the mixin's methods, and, through :func:`install`, one L
 
 from __future__ import annotations
 
-import io
 import os
 import pickle
 import sys
@@ -32,7 +31,7 @@ from fastcore.xtras import load_pickle
 from .. import remote, saving, topology
 from ..collectives import together
 from ..errors import UntrustedCheckpoint
-from ..files import atomic_save, make_dirs
+from ..files import atomic_save, load_plain_pickle, make_dirs
 from . import compat
 
 PathLike = str | os.PathLike
@@ -127,24 +126,12 @@ def load_encoder(learn: Learner, file: str, device: Any = None, trusted: bool = 
     return learn
 
 
-class _PlainUnpickler(pickle.Unpickler):
-    """Reads pickles of built-in containers and strings (a vocabulary) and refuses any class or function."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        raise pickle.UnpicklingError(f"refusing to import {module}.{name} from an untrusted pickle")
-
-
 def _read_vocab(fname: PathLike, trusted: bool) -> Any:
     """The vocabulary pickle at ``fname``: a local path, or a URL (as the weights beside it may be)."""
     if trusted and not remote.is_url(fname):
         return load_pickle(fname)  # fastai's own reader (it also opens .gz and .bz2)
     data = remote.Remote.of(fname).read() if remote.is_url(fname) else Path(fname).read_bytes()
-    if trusted:
-        return pickle.loads(data)
-    try:
-        return _PlainUnpickler(io.BytesIO(data)).load()
-    except pickle.UnpicklingError as e:
-        raise UntrustedCheckpoint(fname, str(e)) from e
+    return pickle.loads(data) if trusted else load_plain_pickle(data, fname)
 
 
 def load_pretrained(

@@ -21,6 +21,8 @@ from fastai.learner import Learner
 from fastai.torch_core import get_model
 from fastcore.foundation import L
 
+from ..rng import random_state, rng_state, set_rng_state
+
 STATE = "state.pt"
 # keys of state.pt: the ordinal of the fit that wrote it, the step number of that fit's epoch 0, the optimizer steps
 # of the run (what the save schedule counts), fastai's count of the fit's training batches
@@ -114,33 +116,17 @@ def _loaders(learn: Learner) -> list[Any]:
 
 
 def generators(learn: Learner) -> dict[str, Any]:
-    """This rank's random generators: Python's, NumPy's, torch's (and CUDA's), and its data loaders' own."""
-    _, keys, pos, has_gauss, cached = np.random.get_state()
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos, "gauss": (has_gauss, cached)},
-        "torch": torch.get_rng_state(),
-        "loaders": [dl.rng.getstate() for dl in _loaders(learn)],
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+    """This rank's random generators (:func:`~ranksafe.rng.rng_state`) and its data loaders' own."""
+    return {**rng_state(), "loaders": [dl.rng.getstate() for dl in _loaders(learn)]}
 
 
 def set_generators(learn: Learner, state: dict[str, Any]) -> None:
-    """Put back what :func:`generators` returned (the containers may come back from a file as lists; loaders other
-    than the saved ones keep their own generators)."""
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    n = state["numpy"]
-    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], *n["gauss"]))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    """Put back what :func:`generators` returned (loaders other than the saved ones keep their own generators)."""
+    set_rng_state(state)
     loaders = _loaders(learn)
     if len(loaders) == len(state.get("loaders", ())):
-        for dl, (version, internal, gauss) in zip(loaders, state["loaders"], strict=True):
-            dl.rng.setstate((version, tuple(internal), gauss))
+        for dl, saved in zip(loaders, state["loaders"], strict=True):
+            dl.rng.setstate(random_state(saved))
 
 
 def rank_state(learn: Learner) -> dict[str, Any]:
