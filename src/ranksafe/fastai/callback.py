@@ -41,7 +41,7 @@ from ..schedule import SaveSchedule
 from ..storage import Storage
 from . import learner
 from .distributed import any_backend, prepare_distributed
-from .guards import guard, quiet_csv_loggers, refuse_remote_csv, unguard
+from .guards import guard, put_back, quiet_csv_loggers, refuse_remote_csv
 from .learner import METHODS, install, stock_method, uninstall
 from .mid_epoch import Resumption, end_resumed_epoch, restore_epoch_start, skip_done_batches
 from .training_state import (
@@ -65,7 +65,7 @@ from .training_state import (
 class _Fit:
     """What RankSafe holds for the fit in progress: made at the fit's ``before_fit``, dropped when it is over."""
 
-    guarded: list[tuple[Callback, tuple[str, ...]]]  # other callbacks' events replaced for this fit
+    replaced: list[tuple[Callback, str]]  # other callbacks' events replaced for this fit (guarded, or kept quiet)
     epoch: int = 0  # the fit's epoch: a validate pass inside the fit sets learn.epoch to 0
     checkpointing: bool = False  # saving steps (a training fit with checkpoint_dir, not lr_find)
     ordinal: int = 0  # which checkpointing fit of the process this is: a re-run script finds its place with it
@@ -79,7 +79,6 @@ class _Fit:
     epoch_start: dict | None = None  # this rank's generators when this epoch's training started (saves inside it)
     cancelled: bool = False  # the batch in progress was cancelled: not a step boundary
     holding: bool = False  # the optimizer step holds the write side of the state lock
-    quieted: list[tuple[Callback, str]] = field(default_factory=list)  # trackers' events kept quiet, by event
 
 
 def _validating(learn: Learner) -> bool:
@@ -236,7 +235,7 @@ class RankSafe(Callback):
         several = topology.world_size() >= 2
         # one process: only lr_find's temporary model needs a hand, where learn.path is a URL (fastai makes local dirs)
         kinds = (TerminateOnNaNCallback, LRFinder) if several else (LRFinder,) if remote.is_url(learn.path) else ()
-        self._fit = _Fit(guarded=guard(learn.cbs, kinds))
+        self._fit = _Fit(replaced=guard(learn.cbs, kinds))
         self._exported_ranks |= prepare_distributed()  # a process group made after this callback and its Learner
         if several:
             self._refuse_training_alone()
@@ -335,7 +334,7 @@ class RankSafe(Callback):
         if fit is None or _validating(self.learn):
             return
         fit.epoch = self.epoch
-        self._unquiet_trackers(fit, "after_epoch")
+        put_back(fit.replaced, "after_epoch")
         if fit.resumption is not None and fit.resumption.epoch == self.epoch:
             skip_done_batches(self.learn, fit.resumption)
         recorder = getattr(self.learn, "recorder", None)
@@ -466,14 +465,7 @@ class RankSafe(Callback):
     @staticmethod
     def _quiet(fit: _Fit, cb: Callback, event: str) -> None:
         vars(cb)[event] = _skipped_event
-        fit.quieted.append((cb, event))
-
-    @staticmethod
-    def _unquiet_trackers(fit: _Fit, event: str | None = None) -> None:
-        """Give the trackers back their ``event`` (None: every event kept quiet)."""
-        for cb, quiet in [q for q in fit.quieted if event in (None, q[1])]:
-            vars(cb).pop(quiet, None)
-            fit.quieted.remove((cb, quiet))
+        fit.replaced.append((cb, event))
 
     def after_fit(self) -> None:
         """Wait for the last checkpoint and raise its failure on every rank. A preempted fit is not the end of
@@ -492,7 +484,7 @@ class RankSafe(Callback):
     def _stop_checkpointing(self, fit: _Fit, failed: bool) -> None:
         """Undo what checkpointing set up; wait for the write in flight, or after a failure just stop the writer."""
         fit.checkpointing = False
-        self._unquiet_trackers(fit, "after_epoch")
+        put_back(fit.replaced, "after_epoch")
         self._release()
         end_resumed_epoch(self.learn)
         for cb in (fit.skip, fit.boundary):
@@ -511,8 +503,7 @@ class RankSafe(Callback):
         fit, self._fit = self._fit, None
         if fit is None:
             return
-        unguard(fit.guarded)
-        self._unquiet_trackers(fit)
+        put_back(fit.replaced)
         if exc is not None:
             quiet_csv_loggers(self.learn, quiet=False)
             if fit.checkpointing:
