@@ -41,17 +41,17 @@ def _shared() -> bool:
     return topology.is_distributed() and topology.world_size() > 1
 
 
+def _shared_outcome(name: str, timeout: float | None) -> contextlib.AbstractContextManager:
+    """A block whose failure on one rank is raised on every rank; a plain block without other ranks."""
+    return together(name, timeout) if _shared() else contextlib.nullcontext()
+
+
 def _seconds(interval: timedelta | float | None) -> float | None:
     """``train_time_interval`` in seconds: a ``timedelta``, as ModelCheckpoint takes it, or a number of seconds."""
     seconds = interval.total_seconds() if isinstance(interval, timedelta) else interval
     if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0):
         raise ValueError(f"train_time_interval must be a positive timedelta or number of seconds, not {interval!r}")
     return seconds
-
-
-def _shared_outcome(name: str, timeout: float | None) -> contextlib.AbstractContextManager:
-    """A block whose failure on one rank is raised on every rank; a plain block without other ranks."""
-    return together(name, timeout) if _shared() else contextlib.nullcontext()
 
 
 def _checkpoint_dirs(trainer: pl.Trainer) -> list[str]:
