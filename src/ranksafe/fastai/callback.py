@@ -67,18 +67,21 @@ class _Fit:
 
     replaced: list[tuple[Callback, str]]  # other callbacks' events replaced for this fit (guarded, or kept quiet)
     epoch: int = 0  # the fit's epoch: a validate pass inside the fit sets learn.epoch to 0
-    checkpointing: bool = False  # saving steps (a training fit with checkpoint_dir, not lr_find)
+    # checkpointing: a training fit with checkpoint_dir (not lr_find)
+    checkpointing: bool = False
     ordinal: int = 0  # which checkpointing fit of the process this is: a re-run script finds its place with it
     base: int = 0  # the step number of the fit's epoch 0
-    history: list = field(default_factory=list)  # the recorded values of the epochs a resume skips
-    tracked_epoch: int | None = None  # the skipped epoch saved before its trackers ran: they run for it as usual
-    resumption: Resumption | None = None  # the epoch a checkpoint taken inside it goes on from, until it starts
-    skip: SkipToEpoch | None = None  # fastai's epoch skipper, while resuming
-    boundary: _StepBoundary | None = None  # the step boundary after each training batch, with saves inside epochs
     trained: bool = False  # this epoch trained (an epoch a resume skips saves nothing)
-    epoch_start: dict | None = None  # this rank's generators when this epoch's training started (saves inside it)
-    cancelled: bool = False  # the batch in progress was cancelled: not a step boundary
     holding: bool = False  # the optimizer step holds the write side of the state lock
+    # resuming: the epochs before the checkpoint are skipped
+    skip: SkipToEpoch | None = None  # fastai's epoch skipper
+    history: list = field(default_factory=list)  # the recorded values of the epochs skipped
+    tracked_epoch: int | None = None  # the skipped epoch saved before its trackers ran: they run for it as usual
+    # saves inside epochs
+    boundary: _StepBoundary | None = None  # the step boundary after each training batch
+    cancelled: bool = False  # the batch in progress was cancelled: not a step boundary
+    epoch_start: dict | None = None  # this rank's generators when this epoch's training started
+    resumption: Resumption | None = None  # the epoch a checkpoint taken inside it goes on from, until it starts
 
 
 def _validating(learn: Learner) -> bool:

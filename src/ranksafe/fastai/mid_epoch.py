@@ -78,7 +78,8 @@ def _remaining_batches(learn: Learner, done: int, generators: dict[str, Any] | N
     dl = learn.dl
     learn.n_iter = len(dl)
     if isinstance(dl, DistributedDL) or (isinstance(dl, DataLoader) and dl.n is not None):
-        _leave_out(dl, done, learn, generators)
+        # its next get_idxs (once per pass, after the loader reseeded itself) leaves out the batches done
+        vars(dl)["get_idxs"] = partial(_remaining_idxs, dl, vars(dl).get("get_idxs"), done, learn, generators)
         batches: Iterable[Any] = dl
     else:
         batches = _dropped(dl, done, learn, generators)
@@ -86,13 +87,8 @@ def _remaining_batches(learn: Learner, done: int, generators: dict[str, Any] | N
         learn.one_batch(i, b)
 
 
-def _leave_out(dl: DataLoader, done: int, learn: Learner, generators: dict[str, Any] | None) -> None:
-    """Have the next ``get_idxs`` of ``dl`` (called once per pass, after the loader reseeded itself) return the indices
-    after the first ``done`` batches, then restore ``generators``."""
-    vars(dl)["get_idxs"] = partial(_remaining_idxs, dl, vars(dl).get("get_idxs"), done, learn, generators)
-
-
 def _remaining_idxs(dl: DataLoader, own: Any, done: int, learn: Learner, generators: dict[str, Any] | None) -> list:
+    """``get_idxs`` of the resumed pass, once: the indices after the first ``done`` batches, then ``generators``."""
     if own is None:
         del vars(dl)["get_idxs"]
     else:  # a get_idxs given to the loader itself (fastai's DataLoader takes one as an argument)
