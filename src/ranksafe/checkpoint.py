@@ -238,6 +238,16 @@ class CheckpointManager:
         """The committed directory (or URL) of ``step`` (the same on every rank; no file-system call)."""
         return name_of(self._place(step))
 
+    def step_of(self, path: str | os.PathLike) -> int | None:
+        """The step whose directory, or whose ``state.pt``, ``path`` is; None for any other path. Local."""
+        place = remote.canonical(path)
+        if place.endswith("/" + STATE):
+            place = place[: -len(STATE) - 1]
+        found = self._pattern.match(os.path.basename(place))
+        if found is not None and self.step_dir(int(found[1])) == place:
+            return int(found[1])
+        return None
+
     def warmup(self, example_state: Any = None) -> None:
         """Before training, on every rank: fail now, not at the first save, when ``root`` cannot be written (a file
         in the way, a missing permission, a bucket that does not exist or no credentials) or, on remote storage,

@@ -437,6 +437,25 @@ def atomic_save(
     return remote.split(path)[1]
 
 
+def atomic_link(target: str, linkpath: str) -> None:
+    """Point ``linkpath`` at ``target``: a relative symlink, or a copy where links are not allowed (on remote
+    storage, a copy made by the store). Made beside ``linkpath`` and renamed over it, so the link is never missing."""
+    if remote.is_url(linkpath):
+        link = remote.Remote.of(linkpath)
+        link.fs.copy(remote.Remote.of(target).path, link.path)
+        return
+    if os.path.isdir(linkpath) and not os.path.islink(linkpath):
+        shutil.rmtree(linkpath)
+    temporary = f"{linkpath}.ranksafe-link"
+    if os.path.lexists(temporary):
+        os.remove(temporary)
+    try:
+        os.symlink(os.path.relpath(target, os.path.dirname(linkpath)), temporary)
+    except OSError:
+        shutil.copy(target, temporary)
+    os.replace(temporary, linkpath)
+
+
 def probe_write(directory: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> int | None:
     """Write and remove a small checkpoint in ``directory`` (created if needed); return the bytes free there, or
     None on remote storage (a URL). Raises what the write raised: a missing permission, a file in the way, a
@@ -559,6 +578,20 @@ def load_file(
 
 # what torch.load raises for a damaged file (anything else from a torch file comes from the objects in it)
 _DAMAGE = (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, KeyError, IndexError, OSError)
+
+
+class _BuiltinsOnly(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"refusing to import {module}.{name} from an untrusted pickle")
+
+
+def load_plain_pickle(data: bytes, path: str | os.PathLike) -> Any:
+    """Unpickle ``data``, read from ``path``, when it holds only built-in containers, numbers and strings (a
+    vocabulary, say); a pickle that would import any class or function raises :class:`UntrustedCheckpoint`."""
+    try:
+        return _BuiltinsOnly(io.BytesIO(data)).load()
+    except pickle.UnpicklingError as e:
+        raise UntrustedCheckpoint(path, str(e)) from e
 
 
 def _load_error(path: str, e: Exception, weights_only: bool | None, first: bytes) -> Exception:

@@ -58,6 +58,13 @@ def is_url(path: str | os.PathLike) -> bool:
     return split(path)[0] is not None
 
 
+def canonical(path: str | os.PathLike) -> str:
+    """The absolute local path (``~`` expanded, as a manager's root takes it), or the URL: the one spelling of a
+    place, to tell two paths apart by."""
+    scheme, place = split(path)
+    return place if scheme else os.path.abspath(os.path.expanduser(place))
+
+
 def where(path: str | os.PathLike) -> str:
     """``path (rank N)``, for messages."""
     return f"{os.fspath(path)} (rank {topology.rank()})"

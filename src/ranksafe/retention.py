@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from .choice import Choice
+from .options import positive_int
 
 
 class BestMode(Choice):
@@ -17,13 +18,6 @@ class BestMode(Choice):
 
     MIN = "min"
     MAX = "max"
-
-
-def _positive(name: str, value: int | None, allow_none: bool = True) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int{' or None' if allow_none else ''}, not {value!r}")
 
 
 @dataclass(frozen=True)
@@ -44,8 +38,8 @@ class Retention:
     keep_best: int = 0
 
     def __post_init__(self) -> None:
-        _positive("keep", self.keep)
-        _positive("keep_period", self.keep_period)
+        positive_int("keep", self.keep)
+        positive_int("keep_period", self.keep_period)
         if isinstance(self.keep_best, bool) or not isinstance(self.keep_best, int) or self.keep_best < 0:
             raise ValueError(f"keep_best must be a non-negative int, not {self.keep_best!r}")
         object.__setattr__(self, "best_mode", BestMode(self.best_mode))  # frozen: set once, here

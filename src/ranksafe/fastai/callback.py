@@ -1,15 +1,17 @@
 """The ``RankSafe`` callback: ``Learner(..., cbs=RankSafe())`` makes fastai's files and decisions rank-safe.
 
-Attached to a Learner, it gives that instance the collective writers and readers of :mod:`ranksafe.fastai.learner`,
-``resume``, and a ``fit`` whose error on one rank reaches every rank. During a fit on several ranks every rank takes
-rank 0's epoch record before any tracker reads it (so trackers decide alike), every epoch starts with a barrier (an
-error in one rank's callbacks stops the others before the next gradient all-reduce), and ``CSVLogger``, ``lr_find``
-and ``TerminateOnNaNCallback`` act as one job (:mod:`ranksafe.fastai.guards`). With ``checkpoint_dir=``, every
-``every`` epochs the training state (:mod:`ranksafe.fastai.training_state`) goes into a step of a
-:class:`~ranksafe.CheckpointManager`; with ``preemption=True`` a stop signal (SIGTERM, SIGUSR1) to any rank becomes one
-checkpoint of the same batch on every rank and a fit that returns normally, and ``save_interval_steps`` /
-``save_interval_seconds`` save inside epochs too; a resume goes on from the batch after the saved one
-(:mod:`ranksafe.fastai.mid_epoch`). In a single process it changes nothing fastai writes or decides.
+Attached to a Learner, it gives that instance the collective writers and readers of :mod:`.learner`, ``resume``,
+and a ``fit`` whose error on one rank reaches every rank. During a fit on several ranks:
+
+* every rank takes rank 0's epoch record before any tracker reads it, so trackers decide alike;
+* every epoch starts with a barrier: an error in one rank's callbacks stops the others before the next gradient
+  all-reduce, where they would hang;
+* ``CSVLogger``, ``lr_find`` and ``TerminateOnNaNCallback`` act as one job (:mod:`.guards`).
+
+With ``checkpoint_dir=`` the training state (:mod:`.training_state`) goes into steps of a
+:class:`~ranksafe.CheckpointManager`, also inside epochs with ``preemption`` or a save interval; a resume goes on
+from the batch after the saved one (:mod:`.mid_epoch`). In a single process it changes nothing fastai writes or
+decides.
 """
 
 from __future__ import annotations
@@ -33,12 +35,13 @@ from ..checkpoint import CheckpointManager
 from ..collectives import abort, barrier, broadcast, together
 from ..files import load_file
 from ..lock import StateDictLock
+from ..options import needs_checkpoint_dir, positive_int
 from ..retention import Retention
 from ..schedule import SaveSchedule
 from ..storage import Storage
 from . import learner
 from .distributed import any_backend, prepare_distributed
-from .guards import guard, quiet_csv_loggers, refuse_remote_csv, unguard
+from .guards import guard, put_back, quiet_csv_loggers, refuse_remote_csv
 from .learner import METHODS, install, stock_method, uninstall
 from .mid_epoch import Resumption, end_resumed_epoch, restore_epoch_start, skip_done_batches
 from .training_state import (
@@ -62,21 +65,23 @@ from .training_state import (
 class _Fit:
     """What RankSafe holds for the fit in progress: made at the fit's ``before_fit``, dropped when it is over."""
 
-    guarded: list[tuple[Callback, tuple[str, ...]]]  # other callbacks' events replaced for this fit
+    replaced: list[tuple[Callback, str]]  # other callbacks' events replaced for this fit (guarded, or kept quiet)
     epoch: int = 0  # the fit's epoch: a validate pass inside the fit sets learn.epoch to 0
-    checkpointing: bool = False  # saving steps (a training fit with checkpoint_dir, not lr_find)
+    # checkpointing: a training fit with checkpoint_dir (not lr_find)
+    checkpointing: bool = False
     ordinal: int = 0  # which checkpointing fit of the process this is: a re-run script finds its place with it
     base: int = 0  # the step number of the fit's epoch 0
-    history: list = field(default_factory=list)  # the recorded values of the epochs a resume skips
-    tracked_epoch: int | None = None  # the skipped epoch saved before its trackers ran: they run for it as usual
-    resumption: Resumption | None = None  # the epoch a checkpoint taken inside it goes on from, until it starts
-    skip: SkipToEpoch | None = None  # fastai's epoch skipper, while resuming
-    boundary: _StepBoundary | None = None  # the step boundary after each training batch, with saves inside epochs
     trained: bool = False  # this epoch trained (an epoch a resume skips saves nothing)
-    epoch_start: dict | None = None  # this rank's generators when this epoch's training started (saves inside it)
-    cancelled: bool = False  # the batch in progress was cancelled: not a step boundary
     holding: bool = False  # the optimizer step holds the write side of the state lock
-    quieted: list[tuple[Callback, str]] = field(default_factory=list)  # trackers' events kept quiet, by event
+    # resuming: the epochs before the checkpoint are skipped
+    skip: SkipToEpoch | None = None  # fastai's epoch skipper
+    history: list = field(default_factory=list)  # the recorded values of the epochs skipped
+    tracked_epoch: int | None = None  # the skipped epoch saved before its trackers ran: they run for it as usual
+    # saves inside epochs
+    boundary: _StepBoundary | None = None  # the step boundary after each training batch
+    cancelled: bool = False  # the batch in progress was cancelled: not a step boundary
+    epoch_start: dict | None = None  # this rank's generators when this epoch's training started
+    resumption: Resumption | None = None  # the epoch a checkpoint taken inside it goes on from, until it starts
 
 
 def _validating(learn: Learner) -> bool:
@@ -86,9 +91,9 @@ def _validating(learn: Learner) -> bool:
 
 
 class _StepBoundary(Callback):
-    """Marks the step boundary after every callback's ``after_batch``: a checkpoint taken there holds what each one did
-    with the batch (RankSafe's own ``after_batch`` comes before the trackers' and loggers'), and a fit stopped there
-    ends after a batch every callback saw whole."""
+    """The step boundary, after every callback's ``after_batch`` (RankSafe's own comes before the trackers' and
+    loggers'): a checkpoint there holds what each one did with the batch, and a fit stopped there ends after a
+    batch every callback saw whole."""
 
     order = 1000
 
@@ -101,26 +106,11 @@ class _StepBoundary(Callback):
 
 
 def _skipped_event() -> None:
-    """A tracker's ``after_epoch`` on an epoch a resume skips, or its ``after_fit`` at the end of a preempted fit (see
-    :meth:`RankSafe._quiet_trackers`)."""
+    """A tracker's event kept quiet (:meth:`RankSafe._quiet_trackers`)."""
 
 
 _TRANSIENT = {"_fit": None, "_manager": None, "_lock": None, "_fits": 0, "_steps": 0, "_exported_ranks": False}
-"""RankSafe's attributes that belong to this process (a fit, a background writer, the optimizer steps so far): never
-pickled."""
-
-
-def _check(checkpoint_dir: str | os.PathLike | None, keep: int | None, epochs: int, **checkpoint_options: Any) -> None:
-    """Refuse RankSafe's arguments that cannot work, when it is made (every rank makes it alike):
-    ``checkpoint_options`` act on checkpoints only, and need a ``checkpoint_dir`` when they are set."""
-    Retention(keep)  # a keep the manager would refuse at the first fit
-    if checkpoint_dir is not None and not os.fspath(checkpoint_dir):
-        raise ValueError("checkpoint_dir must name a directory, not '' (it is relative to learn.path)")
-    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:  # the ``every`` argument
-        raise ValueError(f"every must be a positive int, not {epochs!r}")
-    for name, value in checkpoint_options.items():
-        if value and checkpoint_dir is None:
-            raise ValueError(f"RankSafe({name}=...) needs a checkpoint_dir to save into")
+"""RankSafe's attributes that belong to this process: never pickled."""
 
 
 class RankSafe(Callback):
@@ -158,10 +148,15 @@ class RankSafe(Callback):
         save_interval_steps: int | None = None,
         save_interval_seconds: float | None = None,
     ) -> None:
+        # refused when it is made (on every rank alike), not at the first fit
         preemption = preemption if isinstance(preemption, bool) else tuple(preemption)
-        SaveSchedule(save_interval_steps, save_interval_seconds, preemption)  # refuses bad values now, not at the fit
-        _check(
-            checkpoint_dir, keep, every, resume=resume, async_save=async_save, preemption=preemption, every=every != 1,
+        SaveSchedule(save_interval_steps, save_interval_seconds, preemption)
+        Retention(keep)
+        if checkpoint_dir is not None and not os.fspath(checkpoint_dir):
+            raise ValueError("checkpoint_dir must name a directory, not '' (it is relative to learn.path)")
+        positive_int("every", every, allow_none=False)
+        needs_checkpoint_dir(
+            checkpoint_dir, resume=resume, async_save=async_save, preemption=preemption, every=every != 1,
             save_interval_steps=save_interval_steps, save_interval_seconds=save_interval_seconds,
         )  # fmt: skip
         self.checkpoint_dir, self.keep, self.every, self.storage = checkpoint_dir, keep, every, Storage(storage).value
@@ -243,7 +238,7 @@ class RankSafe(Callback):
         several = topology.world_size() >= 2
         # one process: only lr_find's temporary model needs a hand, where learn.path is a URL (fastai makes local dirs)
         kinds = (TerminateOnNaNCallback, LRFinder) if several else (LRFinder,) if remote.is_url(learn.path) else ()
-        self._fit = _Fit(guarded=guard(learn.cbs, kinds))
+        self._fit = _Fit(replaced=guard(learn.cbs, kinds))
         self._exported_ranks |= prepare_distributed()  # a process group made after this callback and its Learner
         if several:
             self._refuse_training_alone()
@@ -251,10 +246,9 @@ class RankSafe(Callback):
             self._start_checkpointing(self._fit)
 
     def _refuse_training_alone(self) -> None:
-        """Raise if fastai trains each rank alone because this callback exported the ranks too late for it: under
-        ``mp.spawn`` (no ``RANK``), ``with learn.distrib_ctx(): learn.fit(n, cbs=[RankSafe()])``, or a Learner made
-        before the process group, entered ``distrib_ctx`` before the ranks were exported, and it added no
-        ``DistributedTrainer``. Every rank lacked ``RANK``, so every rank raises (the others hear of it anyway)."""
+        """Raise if this callback exported the ranks too late for fastai, which then trains each rank alone: under
+        ``mp.spawn`` (no ``RANK``), ``distrib_ctx`` was entered before this callback or its Learner was made, and
+        added no ``DistributedTrainer``. Every rank lacked ``RANK``, so every rank raises."""
         late, self._exported_ranks = self._exported_ranks, False
         if late and not any(isinstance(cb, DistributedTrainer) for cb in self.learn.cbs):
             raise RuntimeError(
@@ -289,9 +283,9 @@ class RankSafe(Callback):
             self._resume(fit, newest)
 
     def _resume(self, fit: _Fit, newest: int | None) -> None:
-        """Continue this fit from step ``newest``, or skip it whole if a later fit of the run wrote that step (a re-run
-        script runs its fits from the first; this one had finished, and the resume waits for the next fit). An earlier
-        fit's step (``learn.resume()`` after a failed fit, in the same process): this fit takes that one's place."""
+        """Continue this fit from step ``newest``. A re-run script runs its fits from the first: if a later fit wrote
+        that step, this one had finished, and is skipped whole. If an earlier fit wrote it (``learn.resume()`` after
+        a failed fit, in the same process), this fit takes that one's place."""
         if newest is None:
             self.resume_pending = False
             return  # nothing saved yet: a fresh start
@@ -338,12 +332,12 @@ class RankSafe(Callback):
 
     def before_epoch(self) -> None:
         """Every rank arrives here, or every rank learns which one failed (instead of hanging in DDP). An epoch a
-        resume skips gets its saved record, which the Recorder then records and logs as the run that trained it did."""
+        resume skips gets its saved record, for the Recorder to log as the run that trained it did."""
         fit = self._fit
         if fit is None or _validating(self.learn):
             return
         fit.epoch = self.epoch
-        self._unquiet_trackers(fit, "after_epoch")
+        put_back(fit.replaced, "after_epoch")
         if fit.resumption is not None and fit.resumption.epoch == self.epoch:
             skip_done_batches(self.learn, fit.resumption)
         recorder = getattr(self.learn, "recorder", None)
@@ -356,9 +350,8 @@ class RankSafe(Callback):
             barrier("fastai: epoch start")
 
     def before_train(self) -> None:
-        """Note that this epoch trains; let the loader of this pass broadcast under any backend. With saves inside
-        epochs: keep the generators of the epoch's start, or, in the epoch a checkpoint taken inside it stopped, go
-        on from the batch after the saved one."""
+        """With saves inside epochs: keep the generators of the epoch's start, or, in the epoch a checkpoint was
+        taken inside, go on from the batch after the saved one."""
         any_backend([self.learn.dl])
         fit = self._fit
         if fit is None:
@@ -376,7 +369,7 @@ class RankSafe(Callback):
         end_resumed_epoch(self.learn)
 
     def before_validate(self) -> None:
-        """Let the loader of this pass broadcast under any backend (``DistributedTrainer`` may have just made it)."""
+        """Let the loader of this pass broadcast under any backend (``DistributedTrainer`` makes one per pass)."""
         any_backend([self.learn.dl])
 
     def before_step(self) -> None:
@@ -402,8 +395,8 @@ class RankSafe(Callback):
         self._release()
 
     def _step_boundary(self) -> None:
-        """After a training batch that was not cancelled (every callback's ``after_batch`` done): every rank asks the
-        manager (one store read), saves if it says so, and stops the fit when the ranks reached a preemption."""
+        """After a training batch that was not cancelled: every rank asks the manager whether to save, and stops the
+        fit when the ranks reached a preemption."""
         fit = self._fit
         if fit is None or not fit.checkpointing or not self.training or _validating(self.learn):
             return
@@ -437,9 +430,8 @@ class RankSafe(Callback):
             self._save(fit, inside_epoch=False)
 
     def _save(self, fit: _Fit, inside_epoch: bool) -> None:
-        """Save step ``base + epoch``: at the epoch's end, or inside it (after the training batch ``learn.iter``).
-        A save inside an epoch takes the number of the epoch's end: that end, and the epochs after it, are numbered
-        one further, so no step number is saved twice."""
+        """Save step ``base + epoch``, at the epoch's end or after the training batch ``learn.iter``. A save inside an
+        epoch takes the number of the epoch's end, so every step after it is numbered one further."""
         state = training_state(self.learn, fit.ordinal, fit.base, self._steps, inside_epoch)
         mine = rank_state(self.learn)
         if inside_epoch:
@@ -457,11 +449,10 @@ class RankSafe(Callback):
             recorder.values[-1] = self.learn.final_record = L(agreed)
 
     def _quiet_trackers(self, fit: _Fit, bookkeeping: bool) -> None:
-        """An epoch a resume skips, before the saved one: the trackers acted on it in the run that saved it, and what
-        they did is in the restored state (the best model on disk, the reduced learning rate). They update what they
-        track (the best value, the epochs without improvement) and do nothing else. The saved epoch itself was
-        checkpointed before its trackers ran, so they run for it as usual (:attr:`_Fit.tracked_epoch`; none for a
-        checkpoint taken inside an epoch: every epoch before it was over). A fit skipped whole: nothing runs."""
+        """An epoch a resume skips: the trackers acted on it in the run that saved it, and what they did is in the
+        restored state (the best model on disk, the reduced learning rate). With ``bookkeeping`` they update what
+        they track (the best value, the epochs without improvement), and do nothing else. The saved epoch itself
+        was checkpointed before its trackers ran, so they run for it as usual (:attr:`_Fit.tracked_epoch`)."""
         for cb in self._trackers():
             if bookkeeping:
                 TrackerCallback.after_epoch(cb)
@@ -477,19 +468,12 @@ class RankSafe(Callback):
     @staticmethod
     def _quiet(fit: _Fit, cb: Callback, event: str) -> None:
         vars(cb)[event] = _skipped_event
-        fit.quieted.append((cb, event))
-
-    @staticmethod
-    def _unquiet_trackers(fit: _Fit, event: str | None = None) -> None:
-        """Give the trackers back their ``event`` (None: every event kept quiet)."""
-        for cb, quiet in [q for q in fit.quieted if event in (None, q[1])]:
-            vars(cb).pop(quiet, None)
-            fit.quieted.remove((cb, quiet))
+        fit.replaced.append((cb, event))
 
     def after_fit(self) -> None:
-        """At the end of the fit: wait for the last checkpoint and raise its failure on every rank. A preempted fit is
-        not the end of training (the next run goes on): the trackers' ``after_fit`` (``SaveModelCallback`` loading the
-        best model, or saving the last one) waits for the fit that ends it."""
+        """Wait for the last checkpoint and raise its failure on every rank. A preempted fit is not the end of
+        training: the trackers' ``after_fit`` (``SaveModelCallback`` loading the best model) waits for the fit that
+        ends it."""
         quiet_csv_loggers(self.learn)
         fit = self._fit
         if fit is not None and _validating(self.learn):
@@ -501,10 +485,9 @@ class RankSafe(Callback):
             self._stop_checkpointing(fit, failed=False)
 
     def _stop_checkpointing(self, fit: _Fit, failed: bool) -> None:
-        """Undo what checkpointing set up; wait for the write in flight, or after a failure just stop the writer. The
-        signal handlers are put back either way."""
+        """Undo what checkpointing set up; wait for the write in flight, or after a failure just stop the writer."""
         fit.checkpointing = False
-        self._unquiet_trackers(fit, "after_epoch")
+        put_back(fit.replaced, "after_epoch")
         self._release()
         end_resumed_epoch(self.learn)
         for cb in (fit.skip, fit.boundary):
@@ -523,8 +506,7 @@ class RankSafe(Callback):
         fit, self._fit = self._fit, None
         if fit is None:
             return
-        unguard(fit.guarded)
-        self._unquiet_trackers(fit)
+        put_back(fit.replaced)
         if exc is not None:
             quiet_csv_loggers(self.learn, quiet=False)
             if fit.checkpointing:
@@ -532,8 +514,8 @@ class RankSafe(Callback):
 
 
 def _meet_or_abort(exc: BaseException | None) -> None:
-    """After a fit: meet the other ranks, where an error one met after RankSafe's last collective (a later
-    ``after_fit``) reaches this rank; or post this rank's error, so that they stop within seconds."""
+    """After a fit: meet the other ranks (an error one of them met late, in a later ``after_fit``, reaches this rank
+    here), or post this rank's error so that they stop within seconds."""
     if exc is None:
         barrier("fastai: fit end")
     else:

@@ -7,7 +7,7 @@
   rank while the others went on into the next gradient all-reduce).
 
 The last two get events of their own on the instance (:func:`guard`), ``functools.partial`` objects that pickle;
-:func:`unguard` takes them off when the fit is over.
+:func:`put_back` takes them off when the fit is over.
 """
 
 from __future__ import annotations
@@ -75,24 +75,24 @@ _EVENTS: dict[type, dict[str, Callable[[Callback], None]]] = {
 }
 
 
-def guard(cbs: Iterable[Callback], kinds: tuple[type, ...] = tuple(_EVENTS)) -> list[tuple[Callback, tuple[str, ...]]]:
-    """Give the ``LRFinder`` and ``TerminateOnNaNCallback`` among ``cbs`` (those of ``kinds``) their rank-safe events;
-    returns what was set, for :func:`unguard`."""
-    guarded = []
+def guard(cbs: Iterable[Callback], kinds: tuple[type, ...]) -> list[tuple[Callback, str]]:
+    """Give the callbacks of ``kinds`` (``LRFinder``, ``TerminateOnNaNCallback``) among ``cbs`` their rank-safe
+    events; returns the ``(callback, event)`` pairs set, for :func:`put_back`."""
+    replaced = []
     for cb in cbs:
         for kind, events in _EVENTS.items():
             if kind in kinds and isinstance(cb, kind):
                 for name, event in events.items():
                     vars(cb)[name] = partial(event, cb)  # looked up on the instance first
-                guarded.append((cb, tuple(events)))
-    return guarded
+                    replaced.append((cb, name))
+    return replaced
 
 
-def unguard(guarded: Iterable[tuple[Callback, tuple[str, ...]]]) -> None:
-    """Take off what :func:`guard` set."""
-    for cb, names in guarded:
-        for name in names:
-            vars(cb).pop(name, None)
+def put_back(replaced: list[tuple[Callback, str]], event: str | None = None) -> None:
+    """Give the callbacks back their own events (only ``event``, when given), and drop them from ``replaced``."""
+    for cb, name in [pair for pair in replaced if event in (None, pair[1])]:
+        vars(cb).pop(name, None)
+        replaced.remove((cb, name))
 
 
 def quiet_csv_loggers(learn: Learner, quiet: bool = True) -> None:

@@ -9,7 +9,6 @@ Learner first: they are the mixin's methods, and, through :func:`install`, one L
 
 from __future__ import annotations
 
-import io
 import os
 import pickle
 import sys
@@ -32,7 +31,7 @@ from fastcore.xtras import load_pickle
 from .. import remote, saving, topology
 from ..collectives import together
 from ..errors import UntrustedCheckpoint
-from ..files import atomic_save, make_dirs
+from ..files import atomic_save, load_plain_pickle, make_dirs
 from . import compat
 
 PathLike = str | os.PathLike
@@ -51,14 +50,17 @@ def _text() -> Any:
     return fastai.text.learner
 
 
+def _model_state(model: nn.Module, opt: Any, with_opt: bool) -> dict[str, Any]:
+    """What fastai's ``save_model`` writes: the model's state, beside the optimizer's when ``with_opt``."""
+    state = get_model(model).state_dict()
+    return {"model": state, "opt": opt.state_dict()} if with_opt and opt is not None else state
+
+
 def save_model(
     file: PathLike, model: nn.Module, opt: Any, with_opt: bool = True, pickle_protocol: int = 2, **torch_save_kwargs
 ) -> Path:
     """fastai's ``save_model`` as a collective: rank 0 writes ``file`` atomically, failures raise everywhere."""
-    state = get_model(model).state_dict()
-    if with_opt and opt is not None:
-        state = {"model": state, "opt": opt.state_dict()}
-    saving.save(state, file, pickle_protocol=pickle_protocol, **torch_save_kwargs)
+    saving.save(_model_state(model, opt, with_opt), file, pickle_protocol=pickle_protocol, **torch_save_kwargs)
     return Path(file)
 
 
@@ -124,24 +126,12 @@ def load_encoder(learn: Learner, file: str, device: Any = None, trusted: bool = 
     return learn
 
 
-class _PlainUnpickler(pickle.Unpickler):
-    """Reads pickles of built-in containers and strings (a vocabulary) and refuses any class or function."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        raise pickle.UnpicklingError(f"refusing to import {module}.{name} from an untrusted pickle")
-
-
 def _read_vocab(fname: PathLike, trusted: bool) -> Any:
     """The vocabulary pickle at ``fname``: a local path, or a URL (as the weights beside it may be)."""
     if trusted and not remote.is_url(fname):
         return load_pickle(fname)  # fastai's own reader (it also opens .gz and .bz2)
     data = remote.Remote.of(fname).read() if remote.is_url(fname) else Path(fname).read_bytes()
-    if trusted:
-        return pickle.loads(data)
-    try:
-        return _PlainUnpickler(io.BytesIO(data)).load()
-    except pickle.UnpicklingError as e:
-        raise UntrustedCheckpoint(fname, str(e)) from e
+    return pickle.loads(data) if trusted else load_plain_pickle(data, fname)
 
 
 def load_pretrained(
@@ -204,10 +194,8 @@ def save(learn: Learner, file: Any, **kwargs: Any) -> Any:
     target = _model_file(learn, file)
     if isinstance(target, str | Path):  # a path or a URL; else a file object
         return save_model(target, learn.model, getattr(learn, "opt", None), **kwargs)
-    state = get_model(learn.model).state_dict()  # a file object belongs to this process alone
-    if kwargs.get("with_opt", True) and learn.opt is not None:
-        state = {"model": state, "opt": learn.opt.state_dict()}
-    torch.save(state, target, pickle_protocol=kwargs.get("pickle_protocol", 2))
+    state = _model_state(learn.model, learn.opt, kwargs.get("with_opt", True))
+    torch.save(state, target, pickle_protocol=kwargs.get("pickle_protocol", 2))  # a file object: this process's own
     return target
 
 

@@ -1,12 +1,11 @@
 """Resuming inside an epoch: the batches after the last one a checkpoint saw, drawn as the interrupted run drew them.
 
-A checkpoint taken inside an epoch (:mod:`ranksafe.fastai.training_state`) records how many of the epoch's training
-batches were done, fastai's schedule position (``pct_train``, ``train_iter``), each rank's generators at the epoch's
-start and at the checkpoint. In the resumed run, that epoch's ``before_epoch`` gives the Learner a training pass of
-its own (:func:`skip_done_batches`: fastai looks ``all_batches`` up before ``before_train``), and ``before_train`` puts
-back the epoch-start generators and the schedule position (:func:`restore_epoch_start`), where the interrupted run
-kept them. The pass (:func:`_remaining_batches`) lets the loader shuffle as the interrupted run did, leaves out the
-batches already trained, and puts the generators where the checkpoint found them before the next batch is made.
+A checkpoint taken inside an epoch records how many of its training batches were done, fastai's schedule position
+(``pct_train``, ``train_iter``), and each rank's generators at the epoch's start and at the checkpoint. In the
+resumed run, that epoch's ``before_epoch`` gives the Learner a training pass of its own (:func:`skip_done_batches`;
+fastai looks ``all_batches`` up before ``before_train``), and ``before_train`` puts back the epoch-start generators
+and the schedule position (:func:`restore_epoch_start`). The pass lets the loader shuffle as the interrupted run did,
+leaves out the batches already trained, and restores the checkpoint's generators before the next batch is made.
 
 A fastai ``DataLoader`` makes its batches from consecutive runs of ``bs`` indices of ``get_idxs()``: the batches done
 are left out of that list, so they are never loaded. Any other iterable (a torch ``DataLoader``) is iterated and the
@@ -31,10 +30,10 @@ from .training_state import BATCHES, EPOCH_START, PCT_TRAIN, TRAIN_ITER, set_gen
 class Resumption:
     """Where a checkpoint taken inside an epoch left it, for the resumed run's pass over that epoch."""
 
-    epoch: int  # the epoch the checkpoint was taken in
+    epoch: int
     batches: int  # the epoch's training batches done
-    pct_train: float  # fastai's progress through the fit's training then
-    train_iter: int  # fastai's count of the fit's training batches then
+    pct_train: float
+    train_iter: int
     epoch_start: dict[str, Any] | None  # this rank's generators when the epoch's training started (None: unknown)
     generators: dict[str, Any] | None  # ... and at the checkpoint
 
@@ -79,7 +78,8 @@ def _remaining_batches(learn: Learner, done: int, generators: dict[str, Any] | N
     dl = learn.dl
     learn.n_iter = len(dl)
     if isinstance(dl, DistributedDL) or (isinstance(dl, DataLoader) and dl.n is not None):
-        _leave_out(dl, done, learn, generators)
+        # its next get_idxs (once per pass, after the loader reseeded itself) leaves out the batches done
+        vars(dl)["get_idxs"] = partial(_remaining_idxs, dl, vars(dl).get("get_idxs"), done, learn, generators)
         batches: Iterable[Any] = dl
     else:
         batches = _dropped(dl, done, learn, generators)
@@ -87,13 +87,8 @@ def _remaining_batches(learn: Learner, done: int, generators: dict[str, Any] | N
         learn.one_batch(i, b)
 
 
-def _leave_out(dl: DataLoader, done: int, learn: Learner, generators: dict[str, Any] | None) -> None:
-    """Have the next ``get_idxs`` of ``dl`` (called once per pass, after the loader reseeded itself) return the indices
-    after the first ``done`` batches, then restore ``generators``."""
-    vars(dl)["get_idxs"] = partial(_remaining_idxs, dl, vars(dl).get("get_idxs"), done, learn, generators)
-
-
 def _remaining_idxs(dl: DataLoader, own: Any, done: int, learn: Learner, generators: dict[str, Any] | None) -> list:
+    """``get_idxs`` of the resumed pass, once: the indices after the first ``done`` batches, then ``generators``."""
     if own is None:
         del vars(dl)["get_idxs"]
     else:  # a get_idxs given to the loader itself (fastai's DataLoader takes one as an argument)

@@ -1,16 +1,11 @@
 """What a fastai run needs to continue where it stopped, and how it goes back in.
 
-A checkpoint of :class:`~ranksafe.fastai.RankSafe` holds ``state.pt`` (written once: model, optimizer,
-MixedPrecision's loss scale, GradientAccumulation's gradients not yet stepped, the epoch just completed, the
-Recorder's values, and which fit of the script wrote it)
-and one file per rank (``rng-00000.pt``, ...: that rank's random generators, its data loaders' own, and the Recorder's
-smoothed loss), so that a resumed run draws the same batches, augmentations and dropout masks as the uninterrupted one
-and logs the same ``train_loss``. Everything is plain tensors and built-in types: it loads with ``weights_only=True``.
-
-A checkpoint taken inside an epoch (a preemption, a save interval in steps or seconds) also holds how many of that
-epoch's training batches were done and where fastai's schedule stood (``pct_train``, ``train_iter``), and each rank's
-file the generators as they were when the epoch started, so that a resumed run shuffles that epoch alike
-(:mod:`ranksafe.fastai.mid_epoch`).
+A checkpoint of :class:`~ranksafe.fastai.RankSafe` holds ``state.pt``, written once (model, optimizer, MixedPrecision's
+loss scale, GradientAccumulation's gradients not yet stepped, the epoch, the Recorder's values, which fit of the
+script wrote it), and one file per rank (``rng-00000.pt``, ...) with that rank's random generators, its data loaders'
+own and the Recorder's smoothed loss: a resumed run draws the same batches, augmentations and dropout masks as the
+uninterrupted one, and logs the same ``train_loss``. Everything is plain tensors and built-in types, so it loads with
+``weights_only=True``. A checkpoint taken inside an epoch also holds where that epoch stood (:mod:`.mid_epoch`).
 """
 
 from __future__ import annotations
@@ -26,20 +21,18 @@ from fastai.learner import Learner
 from fastai.torch_core import get_model
 from fastcore.foundation import L
 
+from ..rng import random_state, rng_state, set_rng_state
+
 STATE = "state.pt"
-FIT, STEP_BASE = "fit", "step_base"
-"""Keys of :func:`training_state`: the ordinal of the fit that wrote it; the step number of its epoch 0."""
-STEPS, TRAIN_ITER = "steps", "train_iter"
-"""Keys of :func:`training_state`: the optimizer steps of the run so far (what the save schedule counts); fastai's
-count of the fit's training batches."""
+# keys of state.pt: the ordinal of the fit that wrote it, the step number of that fit's epoch 0, the optimizer steps
+# of the run (what the save schedule counts), fastai's count of the fit's training batches
+FIT, STEP_BASE, STEPS, TRAIN_ITER = "fit", "step_base", "steps", "train_iter"
+# ... only inside an epoch: its training batches done, fastai's pct_train then
 BATCHES, PCT_TRAIN = "batches", "pct_train"
-"""Keys of a checkpoint taken inside epoch ``epoch`` only: its training batches done; fastai's ``pct_train`` then."""
+# ... while GradientAccumulation holds gradients not yet stepped (its steps straddle an epoch's end)
 ACCUMULATED = "accumulated"
-"""Key of a checkpoint taken while ``GradientAccumulation`` holds gradients not yet stepped (its steps straddle an
-epoch's end): its count of rows, and every parameter's gradient (None where it has none)."""
+# key of a rank's file, inside an epoch: its generators when that epoch's training started
 EPOCH_START = "epoch_start"
-"""Key of a rank's file, in a checkpoint taken inside an epoch: its :func:`generators` when that epoch's training
-started."""
 
 
 def rng_file(rank: int) -> str:
@@ -123,33 +116,17 @@ def _loaders(learn: Learner) -> list[Any]:
 
 
 def generators(learn: Learner) -> dict[str, Any]:
-    """This rank's random generators: Python's, NumPy's, torch's (and CUDA's), and its data loaders' own."""
-    _, keys, pos, has_gauss, cached = np.random.get_state()
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos, "gauss": (has_gauss, cached)},
-        "torch": torch.get_rng_state(),
-        "loaders": [dl.rng.getstate() for dl in _loaders(learn)],
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+    """This rank's random generators (:func:`~ranksafe.rng.rng_state`) and its data loaders' own."""
+    return {**rng_state(), "loaders": [dl.rng.getstate() for dl in _loaders(learn)]}
 
 
 def set_generators(learn: Learner, state: dict[str, Any]) -> None:
-    """Put back what :func:`generators` returned (the containers may come back from a file as lists; loaders other
-    than the saved ones keep their own generators)."""
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    n = state["numpy"]
-    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], *n["gauss"]))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    """Put back what :func:`generators` returned (loaders other than the saved ones keep their own generators)."""
+    set_rng_state(state)
     loaders = _loaders(learn)
     if len(loaders) == len(state.get("loaders", ())):
-        for dl, (version, internal, gauss) in zip(loaders, state["loaders"], strict=True):
-            dl.rng.setstate((version, tuple(internal), gauss))
+        for dl, saved in zip(loaders, state["loaders"], strict=True):
+            dl.rng.setstate(random_state(saved))
 
 
 def rank_state(learn: Learner) -> dict[str, Any]:

@@ -1,9 +1,8 @@
-"""``RankSafe``: the Lightning callback that turns a failed or diverging checkpoint step into one error on all ranks.
+"""``RankSafe``: the Lightning callback that makes a failed or diverging checkpoint step one error on every rank.
 
 From ``setup`` to ``teardown`` (or ``on_exception``) it wraps a few methods of the Trainer's strategy, checkpoint
-connector and monitoring callbacks (:mod:`.wrapped`: picklable, removed at the end of the run, success or failure);
-the private ones are named in :mod:`.compat`. In a single process nothing is shared: only what the plugin, the
-manager and ``save_last="link"`` need is wrapped.
+connector and monitoring callbacks (:mod:`.wrapped`); the private ones are named in :mod:`.compat`. In a single
+process nothing is shared: only what the plugin, the manager and ``save_last="link"`` need is wrapped.
 """
 
 from __future__ import annotations
@@ -24,14 +23,15 @@ from .. import remote, topology
 from ..async_save import poll_savers
 from ..checkpoint import STATE, CheckpointManager
 from ..collectives import abort, agree, broadcast, checked_timeout, together
-from ..files import clean_orphans, load_file, probe_write
+from ..files import atomic_link, clean_orphans, load_file, probe_write
 from ..lock import StateDictLock
+from ..monitor import MonitorAgreement, MonitorOp
+from ..options import needs_checkpoint_dir, positive_int
 from ..saving import error_naming_target, prepare_dir
 from ..sharded import for_dcp
 from ..storage import Storage
 from . import compat
-from .io import RankSafeCheckpointIO, link, path_key
-from .monitor import MonitorAgreement, MonitorOp
+from .io import RankSafeCheckpointIO
 from .preemption import UNAGREED_REQUEUE, SlurmRequeue, requeue
 from .wrapped import unwrap, wrap
 
@@ -41,9 +41,9 @@ def _shared() -> bool:
     return topology.is_distributed() and topology.world_size() > 1
 
 
-def _positive_int(name: str, value: Any) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(f"{name} must be a positive int or None, not {value!r}")
+def _shared_outcome(name: str, timeout: float | None) -> contextlib.AbstractContextManager:
+    """A block whose failure on one rank is raised on every rank; a plain block without other ranks."""
+    return together(name, timeout) if _shared() else contextlib.nullcontext()
 
 
 def _seconds(interval: timedelta | float | None) -> float | None:
@@ -54,30 +54,10 @@ def _seconds(interval: timedelta | float | None) -> float | None:
     return seconds
 
 
-def _epochs(every_n_epochs: int | None, every_n_train_steps: int | None, seconds: float | None) -> int | None:
-    """The epoch interval: by default every epoch, unless steps or time decide (ModelCheckpoint's rule)."""
-    for name, value in (("every_n_epochs", every_n_epochs), ("every_n_train_steps", every_n_train_steps)):
-        _positive_int(name, value)
-    if every_n_epochs is None and every_n_train_steps is None and seconds is None:
-        return 1
-    return every_n_epochs
-
-
 def _checkpoint_dirs(trainer: pl.Trainer) -> list[str]:
     """The directories of the Trainer's ModelCheckpoints (resolved in their ``setup``)."""
     dirpaths = (getattr(cb, "dirpath", None) for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint))
     return [os.fspath(d) for d in dirpaths if d]  # a stand-in (a Mock with a spec) may have none
-
-
-def _refuse_without_dir(checkpoint_dir: Any, **options: Any) -> None:
-    for name, value in options.items():
-        if value and checkpoint_dir is None:
-            raise ValueError(f"RankSafe({name}=...) needs a checkpoint_dir to save into")
-
-
-def _weights_only(weights_only: bool | None) -> dict[str, Any]:
-    """``weights_only`` for Lightning's loaders, passed only when set (Lightning before 2.6 takes no such argument)."""
-    return {} if weights_only is None else {"weights_only": weights_only}
 
 
 def _async_io(trainer: pl.Trainer) -> RankSafeCheckpointIO | None:
@@ -113,10 +93,9 @@ class RankSafe(Callback):
             ``sync_dist=True`` would log), ``"main"`` (rank 0's), ``"max"`` or ``"min"``.
         timeout: seconds a rank waits for the others in a shared save/load (default: ranksafe's,
             ``RANKSAFE_TIMEOUT`` or 30 minutes); past it every rank raises :class:`~ranksafe.BarrierTimeout`.
-        checkpoint_dir: save the Trainer's full checkpoint (what ``trainer.save_checkpoint`` writes) into a
-            :class:`~ranksafe.CheckpointManager` under this directory, as step ``trainer.global_step``: at the end of
-            every ``every_n_epochs``-th training epoch, after every ``every_n_train_steps`` optimizer steps, every
-            ``train_time_interval`` and at a preemption. A save comes right after the last ModelCheckpoint's or
+        checkpoint_dir: save the Trainer's full checkpoint (what ``trainer.save_checkpoint`` writes) as step
+            ``trainer.global_step`` of a :class:`~ranksafe.CheckpointManager` under this directory, at the
+            intervals below and at a preemption. A save comes right after the last ModelCheckpoint's or
             EarlyStopping's hook of the same name (Lightning runs those last), so their state is the step's.
         keep: committed steps to keep under ``checkpoint_dir`` (``None``: all).
         every_n_epochs: save every this many epochs. ``None``: every epoch, unless ``every_n_train_steps`` or
@@ -126,25 +105,21 @@ class RankSafe(Callback):
         resume: ``trainer.fit(model)`` without ``ckpt_path`` starts from the latest step committed on every
             node (:meth:`latest_checkpoint`), or from scratch when there is none. An explicit ``ckpt_path`` wins.
             ``None``: resume when ``preemption`` is on (a requeued job resumes where it stopped).
-        async_save: the manager commits each step in the background: the save waits only for the snapshot,
-            a failed commit is raised on every rank at the end of the next training step, and ``on_fit_end``
-            waits for the last one.
+        async_save: the manager commits each step in the background; a failed commit is raised on every rank
+            at the end of the next training step, and ``on_fit_end`` waits for the last one.
         every_n_train_steps: save when ``trainer.global_step`` is a multiple of it, at the end of the training
             batch whose optimizer step made it so (as ModelCheckpoint does). Every rank counts the same steps.
         train_time_interval: save at the end of the first optimizer step after this much time (a ``timedelta``, or
-            seconds) since the start of training or the last save, by rank 0's clock: rank 0 posts at the end of
-            one step and every rank saves at the end of the next, whatever the other ranks' clocks say.
+            seconds) since the start of training or the last save, by rank 0's clock (the other ranks' clocks
+            may differ: every rank saves at the end of the step after the one where rank 0 found the time over).
         preemption: during ``fit``, handle SIGTERM and SIGUSR1 (or the signals given) instead of Lightning: a signal
-            to any rank, at any moment, makes every rank save the Trainer's checkpoint at the same optimizer step
-            (the first end of a step that every rank reaches after the signalled rank's next one), then stop
-            (``trainer.should_stop``), so that ``fit`` returns and the process ends normally. Lightning then runs
-            what follows any stop request (a validation, the epoch-end hooks), as after EarlyStopping. With
-            ``SLURMEnvironment(auto_requeue=True)`` (Lightning's default under SLURM) and its requeue signal, rank 0
-            runs ``scontrol requeue <job id>`` once the step is committed, as Lightning's own handler would have
-            after saving from inside the signal handler (where ranks cannot agree, so it never runs).
+            to any rank makes every rank save at the same optimizer step, then stop (``trainer.should_stop``), so
+            that ``fit`` returns and the process ends normally. Under SLURM's requeue signal
+            (``SLURMEnvironment(auto_requeue=True)``, Lightning's default there), rank 0 then runs
+            ``scontrol requeue <job id>`` once the step is committed (:mod:`.preemption`).
 
-    Every save decision is the checkpoint manager's (:meth:`~ranksafe.CheckpointManager.should_save`), asked once per
-    optimizer step on every rank (one store read per decision that needs one: the time interval, preemption).
+    Every save decision is the checkpoint manager's (:meth:`~ranksafe.CheckpointManager.should_save`), asked on
+    every rank once per optimizer step.
     """
 
     def __init__(
@@ -163,11 +138,15 @@ class RankSafe(Callback):
         preemption: bool | Iterable[int] = False,
     ):
         seconds = _seconds(train_time_interval)
-        self.every_n_epochs = _epochs(every_n_epochs, every_n_train_steps, seconds)
+        positive_int("every_n_epochs", every_n_epochs)
+        positive_int("every_n_train_steps", every_n_train_steps)
+        # ModelCheckpoint's rule: every epoch, unless steps or time decide
+        no_interval = every_n_epochs is None and every_n_train_steps is None and seconds is None
+        self.every_n_epochs = 1 if no_interval else every_n_epochs
         if not isinstance(preemption, bool):
             preemption = tuple(preemption)
         self.resume = bool(preemption) if resume is None else resume
-        _refuse_without_dir(
+        needs_checkpoint_dir(
             checkpoint_dir, preemption=preemption, every_n_train_steps=every_n_train_steps,
             train_time_interval=seconds, resume=self.resume, async_save=async_save, every_n_epochs=every_n_epochs,
         )  # fmt: skip
@@ -229,19 +208,6 @@ class RankSafe(Callback):
     def _async_manager(self) -> bool:
         return self.manager is not None and self.manager.async_save
 
-    def _managed_step(self, path: Any) -> int | None:
-        """The step whose state file (or, sharded, whose directory) ``path`` is, when it lies in this callback's
-        checkpoint_dir."""
-        if self.manager is None or path is None:
-            return None
-        step_dir = path_key(path)
-        if step_dir.endswith("/" + STATE):
-            step_dir = step_dir[: -len(STATE) - 1]
-        digits = os.path.basename(step_dir)[len(self.manager.prefix) :]
-        if digits.isdigit() and self.manager.step_dir(int(digits)) == step_dir:
-            return int(digits)
-        return None
-
     # -- hooks ----------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Runs on every rank once the process group exists, before any checkpoint is loaded or saved."""
@@ -255,8 +221,8 @@ class RankSafe(Callback):
             self._take_over_signals(trainer)
 
     def _take_over_signals(self, trainer: pl.Trainer) -> None:
-        """With preemption, Lightning's signal handlers are not installed for this fit: the manager's are, in their
-        place. Without, a warning when Lightning's SLURM requeue handler would save with other ranks."""
+        """With preemption, the manager's signal handlers replace Lightning's for this fit. Without, a warning when
+        Lightning's SLURM requeue handler would save with other ranks."""
         requeue_asked = SlurmRequeue.of(trainer)
         if not self._handles_signals:
             if requeue_asked is not None and _shared() and topology.is_main():
@@ -297,11 +263,10 @@ class RankSafe(Callback):
                 wrap(cb, compat.STOPPING_CRITERIA, functools.partial(self.monitors.criteria, monitor))
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """ModelCheckpoint resolved its directory in its own ``setup``: write a probe there now, so that a directory
-        (or a bucket, or credentials) that cannot be written fails every rank now instead of after the first
-        epoch."""
+        """Write a probe into every ModelCheckpoint directory (resolved in their ``setup``): a directory, bucket or
+        credentials that cannot be written fail every rank now instead of after the first epoch."""
         dirpaths = _checkpoint_dirs(trainer)
-        with together("checkpoint directories: warmup", self.timeout) if _shared() else contextlib.nullcontext():
+        with _shared_outcome("checkpoint directories: warmup", self.timeout):
             if topology.is_main():
                 for dirpath in dirpaths:
                     try:
@@ -361,11 +326,9 @@ class RankSafe(Callback):
             self.manager.schedule.uninstall()
 
     def _end_step(self, trainer: pl.Trainer) -> None:
-        """Once per optimizer step, not per micro-batch (a step boundary needs the gradient all-reduce between two),
-        on every rank: a background write that failed is raised on every rank
-        (:func:`~ranksafe.async_save.poll_savers`), then the manager decides whether to save this step and whether
-        the ranks stop here. One store read per notice that can be posted (failures, time interval, preemption)
-        while nothing is."""
+        """Once per optimizer step on every rank, not per micro-batch (only after an optimizer step are the ranks'
+        weights the same): raise a failed background write on every rank, then ask the manager whether to save
+        this step and whether to stop here."""
         step = trainer.global_step
         if step == self._polled_step:
             return
@@ -435,17 +398,16 @@ class RankSafe(Callback):
         if _shared() and self._io is not None:
             self._io.wait()
             self._io.check()
-        step = self._managed_step(checkpoint_path)
-        if step is not None:
-            step_dir = self.manager.step_dir(step)  # type: ignore[union-attr]
-            if path_key(checkpoint_path) == step_dir:  # a step given as its directory: sharded, or holding state.pt
-                plain = agree(remote.exists(os.path.join(step_dir, STATE)), "any", name="plain step")
-                if not plain:
-                    return self._load_sharded(trainer, step, weights_only)
-            return self.manager.load(step, weights_only=weights_only)  # type: ignore[union-attr]
-        if not _shared():
-            return original(checkpoint_path, **_weights_only(weights_only))
-        return self._together("Trainer.load_checkpoint", original, checkpoint_path, **_weights_only(weights_only))
+        step = None if self.manager is None or checkpoint_path is None else self.manager.step_of(checkpoint_path)
+        if step is None:
+            with _shared_outcome("Trainer.load_checkpoint", self.timeout):
+                return original(checkpoint_path, weights_only=weights_only)
+        step_dir = self.manager.step_dir(step)  # type: ignore[union-attr]
+        if remote.canonical(checkpoint_path) == step_dir:  # a step named by its directory: sharded, or not
+            plain = agree(remote.exists(os.path.join(step_dir, STATE)), "any", name="plain step")
+            if not plain:
+                return self._load_sharded(trainer, step, weights_only)
+        return self.manager.load(step, weights_only=weights_only)  # type: ignore[union-attr]
 
     def _load_sharded(self, trainer: pl.Trainer, step: int, weights_only: bool | None) -> dict[str, Any]:
         """A step of sharded state into the strategy's model and optimizers, in place, resharded to this run; returns
@@ -467,9 +429,8 @@ class RankSafe(Callback):
         for i, opt in enumerate(optimizers):
             set_optimizer_state_dict(model, opt, into[f"optimizer_{i}"])
         rest = os.path.join(self.manager.step_dir(step), compat.SHARDED_METADATA)  # type: ignore[union-attr]
-        if not _shared():
+        with _shared_outcome("Trainer.load_checkpoint: the rest", self.timeout):
             return load_file(rest, weights_only=weights_only)
-        return self._together("Trainer.load_checkpoint: the rest", load_file, rest, weights_only=weights_only)
 
     def _resume_start(
         self, trainer: pl.Trainer, original: Callable[..., Any], checkpoint_path: Any = None, weights_only: Any = None
@@ -490,7 +451,7 @@ class RankSafe(Callback):
             checkpoint_path = self.latest_checkpoint()
         if self.overwrite and fitting:  # the path is agreed by now (and before any save, whatever the strategy)
             self._overwrite(trainer, resuming=checkpoint_path is not None)
-        return original(checkpoint_path, **_weights_only(weights_only))
+        return original(checkpoint_path, weights_only=weights_only)
 
     def _overwrite(self, trainer: pl.Trainer, resuming: bool) -> None:
         """``overwrite=True``: empty every ModelCheckpoint directory, unless the fit resumes (its restored state names
@@ -515,12 +476,12 @@ class RankSafe(Callback):
         """ModelCheckpoint's ``save_last="link"``: the link replaces the old one atomically, waits for a background
         write's commit (and is not made if it fails: the old link stays), and rank 0's outcome reaches every rank
         instead of the stock barrier, which left the others waiting when the link failed."""
-        with together("ModelCheckpoint link", self.timeout) if _shared() else contextlib.nullcontext():
-            if trainer.is_global_zero and path_key(filepath) != path_key(linkpath):
+        with _shared_outcome("ModelCheckpoint link", self.timeout):
+            if trainer.is_global_zero and remote.canonical(filepath) != remote.canonical(linkpath):
                 if self._io is not None:
                     self._io.link_checkpoint(filepath, linkpath)
                 else:
-                    link(filepath, linkpath)
+                    atomic_link(filepath, linkpath)
 
     def _file_exists(self, original: Callable[..., Any], filepath: Any, trainer: pl.Trainer) -> bool:
         """``ModelCheckpoint.file_exists`` that counts a file still being written in the background as existing:

@@ -3,54 +3,27 @@
 Stock ``TorchCheckpointIO`` serialises the whole checkpoint into memory first, writes its temporary file in
 ``$TMPDIR`` (a rename across file systems is a copy a crash can tear) and never fsyncs. This plugin streams
 ``torch.save`` into a temporary file beside the target, fsyncs and renames it, and verifies the CRC footer on
-load; on remote storage (an fsspec URL, as stock Lightning takes) the file is one upload committed when complete.
-Saving, loading and removing are local (Lightning calls them on global rank 0 only, and under ``ddp_spawn`` from a
-parent without a process group); sharing outcomes is the RankSafe callback's job.
+load. Its calls are local: Lightning makes them on global rank 0 only (under ``ddp_spawn``, from a parent without
+a process group); sharing their outcome is the RankSafe callback's job.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-import shutil
 from collections.abc import Callable
 from typing import Any
 
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.cloud_io import get_filesystem
-from lightning.fabric.utilities.types import _PATH
 
 from .. import remote, topology
 from ..async_save import AsyncSaver
-from ..files import atomic_save, load_file, local_path, make_dirs
+from ..files import atomic_link, atomic_save, load_file, local_path, make_dirs
 from ..lock import StateDictLock
 from ..saving import error_naming_target
 
-
-def path_key(path: _PATH) -> str:
-    """The absolute local path, or the URL: what a save is told apart by."""
-    scheme, where = remote.split(path)
-    return where if scheme else os.path.abspath(os.path.expanduser(where))  # ~ as the manager's root takes it
-
-
-def link(filepath: str, linkpath: str) -> None:
-    """Point ``linkpath`` at ``filepath`` (ModelCheckpoint's ``save_last="link"``): a relative symlink, or a copy
-    where links are not allowed (on remote storage: a copy made by the store). Made beside the target and renamed
-    over it, so ``last.ckpt`` is never missing."""
-    if remote.is_url(linkpath):
-        target = remote.Remote.of(linkpath)
-        target.fs.copy(remote.Remote.of(filepath).path, target.path)
-        return
-    if os.path.isdir(linkpath) and not os.path.islink(linkpath):
-        shutil.rmtree(linkpath)
-    temporary = f"{linkpath}.ranksafe-link"
-    if os.path.lexists(temporary):
-        os.remove(temporary)
-    try:
-        os.symlink(os.path.relpath(filepath, os.path.dirname(linkpath)), temporary)
-    except OSError:
-        shutil.copy(filepath, temporary)
-    os.replace(temporary, linkpath)
+PathLike = str | os.PathLike
 
 
 class RankSafeCheckpointIO(CheckpointIO):
@@ -103,10 +76,10 @@ class RankSafeCheckpointIO(CheckpointIO):
         """Whether removals and links wait for the latest background save (made in this run, before teardown)."""
         return self.async_save and not self._torn_down and self._saver is not None
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: PathLike, storage_options: Any | None = None) -> None:
         """Write ``checkpoint`` to ``path`` atomically: a reader or a crash sees the old file or the new one.
         With ``async_save`` it returns once ``checkpoint`` is snapshotted."""
-        path = path_key(path)
+        path = remote.canonical(path)
         if storage_options is not None and not remote.is_url(path):  # as stock TorchCheckpointIO
             raise TypeError(f"storage_options are for the file system of a URL; {path} is a local path")
         if not self.async_save or self._torn_down:
@@ -135,7 +108,7 @@ class RankSafeCheckpointIO(CheckpointIO):
 
     def load_checkpoint(
         self,
-        path: _PATH,
+        path: PathLike,
         map_location: Callable | str | dict | None = lambda storage, loc: storage,  # as stock: on the CPU
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
@@ -148,12 +121,12 @@ class RankSafeCheckpointIO(CheckpointIO):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
         return load_file(path, map_location=map_location, weights_only=weights_only)
 
-    def writing(self, path: _PATH) -> bool:
+    def writing(self, path: PathLike) -> bool:
         """Whether a background write to ``path`` is in flight (the file is not there yet). Local."""
         in_flight = self._saver is not None and self._saver.in_flight
-        return in_flight and self._latest == path_key(path)
+        return in_flight and self._latest == remote.canonical(path)
 
-    def remove_checkpoint(self, path: _PATH) -> None:
+    def remove_checkpoint(self, path: PathLike) -> None:
         """Remove ``path`` (a file or a directory; missing is fine, as stock). With a background save in flight,
         after its commit, and not at all if it fails: the removal made way for a checkpoint that never came."""
         if self._deferring:
@@ -162,14 +135,14 @@ class RankSafeCheckpointIO(CheckpointIO):
             self._remove(path)
 
     def link_checkpoint(self, filepath: str, linkpath: str) -> None:
-        """Point ``linkpath`` at ``filepath`` (:func:`link`); local. When ``filepath`` is the background save in
-        flight, the link follows its commit, and is not made if it fails: the old link stays."""
-        if self._deferring and self._latest == path_key(filepath):
-            self.saver.after_commit(functools.partial(link, filepath, linkpath))
+        """Point ``linkpath`` at ``filepath``; local. When ``filepath`` is the background save in flight, the link
+        follows its commit, and is not made if it fails: the old link stays."""
+        if self._deferring and self._latest == remote.canonical(filepath):
+            self.saver.after_commit(functools.partial(atomic_link, filepath, linkpath))
         else:
-            link(filepath, linkpath)
+            atomic_link(filepath, linkpath)
 
-    def _remove(self, path: _PATH) -> None:
+    def _remove(self, path: PathLike) -> None:
         fs = get_filesystem(path)
         if fs.exists(path):
             fs.rm(path, recursive=True)

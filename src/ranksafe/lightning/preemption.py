@@ -1,13 +1,11 @@
 """Preemption under Lightning: ranksafe's signal handlers instead of Lightning's, and SLURM's requeue after the commit.
 
-For every ``fit``, Lightning's signal connector installs a SIGTERM handler that broadcasts a tensor from inside the
-handler and stops the loops with ``SIGTERMException``, and, with ``SLURMEnvironment(auto_requeue=True)``, a handler
-for the requeue signal (SIGUSR1) that saves a checkpoint from inside the handler, then runs
-``scontrol requeue <job id>`` on rank 0. A handler interrupts each rank somewhere else (a step, an all-reduce, a
-save), so a collective started there pairs with whatever the other ranks are in, or waits for ranks that never come.
-With ``RankSafe(preemption=True)`` the checkpoint manager's handlers only record the signal; the ranks save together
-at the next common optimizer step boundary, stop, and then :func:`requeue` runs the command Lightning's handler would
-have run, from rank 0, after the commit.
+Lightning's own handlers act inside the signal handler: its SIGTERM handler broadcasts a tensor, and its SLURM
+requeue handler (SIGUSR1, with ``SLURMEnvironment(auto_requeue=True)``) saves a checkpoint, then runs
+``scontrol requeue <job id>`` on rank 0. A signal interrupts each rank somewhere else (a step, an all-reduce, a
+save), so a collective started there pairs with whatever the other ranks are in, or waits forever. With
+``RankSafe(preemption=True)`` the manager's handlers only record the signal; the ranks save together at the next
+common step boundary, stop, and then :func:`requeue` runs Lightning's command from rank 0.
 """
 
 from __future__ import annotations

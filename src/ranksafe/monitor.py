@@ -1,11 +1,10 @@
-"""One monitored value for every rank, so that ModelCheckpoint and EarlyStopping decide the same way.
+"""One monitored value for every rank, so that checkpoint and stopping decisions agree.
 
-A metric logged without ``sync_dist=True`` holds each rank's own value. ModelCheckpoint then formats a
-different file name on each rank (only rank 0's file exists, the others' ``best_model_path`` points at
-nothing), keeps a different top-k, and EarlyStopping's patience counters drift apart. ranksafe gathers the
-monitored value from every rank at the moment a monitoring callback reads it, warns once per metric when the
-values differ, and hands every rank the same value: by default their mean, which is what ``sync_dist=True``
-would have logged; ``op="main"`` takes rank 0's value instead.
+A metric logged without synchronisation (Lightning's ``self.log`` without ``sync_dist=True``) holds each rank's own
+value. A checkpoint callback then formats a different file name on each rank (only rank 0's file exists), keeps a
+different top-k, and early-stopping counters drift apart. :class:`MonitorAgreement` gathers the value from every
+rank when a monitoring callback reads it, warns once per metric when the values differ, and gives every rank the
+same value: by default their mean, which is what a synchronised log would have held.
 """
 
 from __future__ import annotations
@@ -17,9 +16,9 @@ from typing import Any
 
 import torch
 
-from .. import topology
-from ..choice import Choice
-from ..collectives import all_gather
+from . import topology
+from .choice import Choice
+from .collectives import all_gather
 
 
 class MonitorOp(Choice):
@@ -96,7 +95,7 @@ class MonitorAgreement:
         return torch.tensor(agreed) if value is None else type(value)(agreed)
 
     def candidates(self, monitor: str, read: Callable[[Any], dict[str, Any]], trainer: Any) -> dict[str, Any]:
-        """ModelCheckpoint's ``_monitor_candidates(trainer)`` (``read``) with the ``monitor`` entry agreed."""
+        """The metrics ``read(trainer)`` returns, with the ``monitor`` entry agreed (for ModelCheckpoint's read)."""
         candidates = read(trainer)
         value = self.agree(monitor, candidates.get(monitor))
         if value is not None:
@@ -104,7 +103,7 @@ class MonitorAgreement:
         return candidates
 
     def criteria(self, monitor: str, evaluate: Callable[[torch.Tensor], Any], current: torch.Tensor) -> Any:
-        """EarlyStopping's ``_evaluate_stopping_criteria(current)`` (``evaluate``) of the agreed ``current``."""
+        """``evaluate`` of the agreed ``current`` (for EarlyStopping's stopping criteria)."""
         return evaluate(self.agree(monitor, current))
 
 

@@ -1,0 +1,25 @@
+"""Argument checks shared by the framework callbacks (``ranksafe.lightning``, ``ranksafe.fastai``).
+
+Every rank makes its callback alike, so an argument refused when the callback is made fails every rank at once,
+instead of at the first save, or never (an option that needs a directory to save into, given none, does nothing).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def positive_int(name: str, value: int | None, allow_none: bool = True) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is an int of at least 1 (or None, if allowed)."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int{' or None' if allow_none else ''}, not {value!r}")
+
+
+def needs_checkpoint_dir(checkpoint_dir: Any, **options: Any) -> None:
+    """Raise ``ValueError`` naming the first of ``options`` that is set while ``checkpoint_dir`` is None."""
+    if checkpoint_dir is None:
+        for name, value in options.items():
+            if value:
+                raise ValueError(f"RankSafe({name}=...) needs a checkpoint_dir to save into")
