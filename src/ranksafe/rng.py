@@ -9,8 +9,12 @@ from __future__ import annotations
 import random
 from typing import Any
 
-import numpy as np
 import torch
+
+try:  # not a dependency of torch's: a process without NumPy has no NumPy generator to keep
+    import numpy as np
+except ImportError:  # pragma: no cover - depends on the environment
+    np = None  # type: ignore[assignment]
 
 
 def random_state(saved: Any) -> tuple:
@@ -21,12 +25,10 @@ def random_state(saved: Any) -> tuple:
 
 def rng_state() -> dict[str, Any]:
     """This process's random generators."""
-    _, keys, pos, has_gauss, cached = np.random.get_state()
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos, "gauss": (has_gauss, cached)},
-        "torch": torch.get_rng_state(),
-    }
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if np is not None:
+        _, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos, "gauss": (has_gauss, cached)}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -35,8 +37,9 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any]) -> None:
     """Put back what :func:`rng_state` returned."""
     random.setstate(random_state(state["python"]))
-    n = state["numpy"]
-    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], *n["gauss"]))
+    if "numpy" in state and np is not None:
+        n = state["numpy"]
+        np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], *n["gauss"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
