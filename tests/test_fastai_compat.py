@@ -15,6 +15,7 @@ from fastai.data.load import DataLoader
 from fastai.distributed import DistributedDL
 
 from ranksafe.fastai import compat
+from tests.private_names import private_reads, private_reads_outside_compat
 from tests.test_fastai import _learner
 
 PACKAGE = Path(compat.__file__).parent
@@ -52,26 +53,10 @@ def test_the_numpy_scalar_reconstructor_is_what_numpy_pickles_scalars_with():
     assert np.float32(1.5).__reduce__()[0] is compat.numpy_scalar()
 
 
-def private_reads(tree: ast.AST, own: set[str]) -> list[str]:
-    """Attributes starting with one underscore read from anything but ``self``, other than the functions in ``own``;
-    and private names imported."""
-    found = []
-    for node in ast.walk(tree):
-        private = isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
-        if private and ast.unparse(node.value) != "self" and node.attr not in own:
-            found.append(f"{node.lineno}: {ast.unparse(node)}")
-        if isinstance(node, ast.ImportFrom) and any(a.name.startswith("_") for a in node.names):
-            found.append(f"{node.lineno}: from {node.module} import {', '.join(a.name for a in node.names)}")
-    return found
-
-
 def test_no_other_module_names_a_private_attribute_of_fastai_or_numpy():
     """Only compat.py reaches a private name: every other module of the package reads a private attribute only from
     ``self`` or as a function the package defines itself."""
-    trees = {path.name: ast.parse(path.read_text()) for path in sorted(PACKAGE.glob("*.py"))}
-    own = {node.name for tree in trees.values() for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)}
-    found = {name: private_reads(tree, own) for name, tree in trees.items() if name != "compat.py"}
-    assert {name: reads for name, reads in found.items() if reads} == {}
+    assert private_reads_outside_compat(PACKAGE) == {}
 
 
 def test_the_check_above_sees_private_names():

@@ -5,6 +5,7 @@ Lightning release that renames, removes or changes one fails here, naming it."""
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 
 import lightning
 import lightning.pytorch as pl
@@ -15,6 +16,7 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Stra
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 
 from ranksafe.lightning import compat
+from tests.private_names import private_reads_outside_compat
 
 _STRATEGIES = (Strategy, DDPStrategy, SingleDeviceStrategy)
 WRAPPED = [  # (class, method, the parameters RankSafe's replacement takes)
@@ -79,3 +81,10 @@ def test_lightnings_slurm_handler_still_requeues_with_the_command_ranksafe_runs_
     for variable in ("SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_JOB_ID"):
         assert variable in source, f"{where} no longer reads {variable}"
     assert "self.trainer.is_global_zero" in source, f"{where} no longer requeues from rank 0 only"
+
+
+def test_no_other_module_names_a_private_attribute_of_lightning():
+    """Only compat.py reaches a private name of Lightning: every other module of the package reads a private
+    attribute only from ``self`` or as a function the package defines itself, and imports no private name (the
+    walk's control is in ``tests/test_fastai_compat.py``)."""
+    assert private_reads_outside_compat(Path(compat.__file__).parent) == {}
