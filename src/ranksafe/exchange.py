@@ -36,6 +36,7 @@ import torch.distributed as dist
 from . import topology
 from .errors import Failure, RankFailure
 from .outcomes import Abort, Agreed, Diverged, Failed, Outcome, TimedOut, Wait
+from .torch_compat import default_store
 
 T = TypeVar("T")
 
@@ -79,7 +80,7 @@ class Session:
 
     def __init__(self) -> None:
         self.group_id = id(dist.group.WORLD)
-        self.store = dist.distributed_c10d._get_default_store()
+        self.store = default_store()
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         # A store can outlive a process group (torchrun's agent store, re-initialised groups): number the

@@ -1,0 +1,19 @@
+"""The private names of torch that the ranksafe core uses: each one here, once, with why no public API does.
+
+``tests/test_torch_compat.py`` fails, naming it, when a torch release renames or removes one of them.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+DEFAULT_STORE = "_get_default_store"
+"""``torch.distributed.distributed_c10d._get_default_store()``: the key-value store of the default process group,
+which every launcher sets up (torchrun's agent store, ``init_method``'s). ranksafe's exchanges run over it (named
+timeouts, name checks, one outcome for every rank: :mod:`ranksafe.exchange`); torch offers no public way to reach
+the store of a group made by ``init_process_group``."""
+
+
+def default_store() -> dist.Store:
+    """The default process group's store (see :data:`DEFAULT_STORE`)."""
+    return getattr(dist.distributed_c10d, DEFAULT_STORE)()

@@ -1,0 +1,23 @@
+"""The private names of torch that the ranksafe core reaches (all in ranksafe/torch_compat.py) still exist: a torch
+release that renames or removes one fails here, naming it."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from ranksafe import torch_compat
+
+
+def test_the_default_store_getter_still_exists():
+    getter = getattr(dist.distributed_c10d, torch_compat.DEFAULT_STORE, None)
+    assert callable(getter), f"torch.distributed.distributed_c10d.{torch_compat.DEFAULT_STORE} is gone"
+
+
+def test_it_returns_the_store_of_the_default_group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        store = torch_compat.default_store()
+        store.set("ranksafe-compat", b"1")
+        assert isinstance(store, dist.Store) and store.get("ranksafe-compat") == b"1"
+    finally:
+        dist.destroy_process_group()
