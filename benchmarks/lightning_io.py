@@ -9,7 +9,7 @@ millisecond by a thread, minus the RSS before the call), min/median/max, and rat
 * ``ranksafe``: ``RankSafeCheckpointIO.save_checkpoint``; streams beside the target, CRC footer, fsync, rename.
   (``atomic_save`` skips torch's zip CRC32s, which its footer CRC makes redundant.)
 * ``ranksafe.atomic_save``: the function alone, without the plugin around it.
-* ``atomic_save@REV`` (with ``--baseline REV``): ``src/ranksafe/files.py`` as of git revision REV, loaded
+* ``atomic_save@REV`` (with ``--baseline REV``): ``atomic_save`` as of git revision REV, loaded
   beside the current one (see ``save_path.py``), so before/after numbers come from the same run.
 
 Usage: python benchmarks/lightning_io.py [--sizes-mib 100 1024] [--runs 5] [--baseline REV] [--dir DIR]
@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 from lightning.pytorch.plugins import TorchCheckpointIO
 
-from ranksafe.files import atomic_save
+from ranksafe.checkpoint_file import atomic_save
 from ranksafe.lightning import RankSafeCheckpointIO
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -159,7 +159,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[100, 1024])
     parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--baseline", default=None, help="git revision of src/ranksafe/files.py to compare with")
+    parser.add_argument("--baseline", default=None, help="git revision of atomic_save to compare with")
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary dir in the cwd)")
     args = parser.parse_args()
     directory = tempfile.mkdtemp(prefix="lightning_io-", dir=args.dir or os.getcwd())

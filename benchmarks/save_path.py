@@ -5,8 +5,8 @@ machine's load hits every method alike), and prints min/median/max seconds and t
 ``raw`` (the tensors' bytes written to one file, then fsync: the floor for a durable write of this data).
 
 * ``raw``: write + fsync of the bytes.
-* ``atomic_save``: the current ``ranksafe.files.atomic_save``.
-* ``atomic_save@REV``: ``src/ranksafe/files.py`` as of git revision REV (``--baseline REV``), loaded beside
+* ``atomic_save``: the current ``ranksafe.atomic_save``.
+* ``atomic_save@REV``: ``atomic_save`` as of git revision REV (``--baseline REV``), loaded beside
   the current one, so before/after numbers come from the same run.
 * ``torch.save+fsync``: stock ``torch.save`` into a file opened here, flushed and fsynced (zip CRCs on).
 * ``torch.save``: stock ``torch.save(state, path)``, as most training scripts call it (no fsync).
@@ -34,7 +34,7 @@ from collections.abc import Callable
 import torch
 
 import ranksafe
-from ranksafe import files
+from ranksafe import checkpoint_file
 
 _TENSOR_MIB = 4
 
@@ -61,15 +61,18 @@ def stock_save_fsync(state: dict, path: str) -> None:
 
 
 def load_revision(rev: str) -> types.ModuleType:
-    """``ranksafe.files`` as of git revision ``rev``, as a module of the ranksafe package (relative imports work)."""
+    """The module holding ``atomic_save`` as of git revision ``rev`` (``checkpoint_file.py``; ``files.py`` before
+    it existed), as a module of the ranksafe package (relative imports work)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    source = subprocess.run(
-        ["git", "show", f"{rev}:src/ranksafe/files.py"], cwd=root, capture_output=True, text=True, check=True
-    ).stdout
-    name = f"ranksafe._files_at_{rev.replace('~', '_').replace('^', '_')}"
+    for path in ("src/ranksafe/checkpoint_file.py", "src/ranksafe/files.py"):
+        shown = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=root, capture_output=True, text=True)
+        if shown.returncode == 0:
+            break
+    shown.check_returncode()
+    name = f"ranksafe._atomic_save_at_{rev.replace('~', '_').replace('^', '_')}"
     module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader=None))
     module.__package__ = "ranksafe"
-    exec(compile(source, f"{rev}:src/ranksafe/files.py", "exec"), module.__dict__)
+    exec(compile(shown.stdout, f"{rev}:{path}", "exec"), module.__dict__)
     return module
 
 
@@ -102,7 +105,7 @@ def _crc(state: dict, path: str) -> None:
 
 
 def methods(baseline: str | None, parts: bool) -> dict[str, Callable[[dict, str], None]]:
-    chosen: dict[str, Callable[[dict, str], None]] = {"raw": raw_write, "atomic_save": files.atomic_save}
+    chosen: dict[str, Callable[[dict, str], None]] = {"raw": raw_write, "atomic_save": checkpoint_file.atomic_save}
     if baseline:
         chosen[f"atomic_save@{baseline}"] = load_revision(baseline).atomic_save
     chosen["torch.save+fsync"] = stock_save_fsync
@@ -173,7 +176,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[100, 1024])
     parser.add_argument("--runs", type=int, default=7)
-    parser.add_argument("--baseline", default=None, help="git revision of src/ranksafe/files.py to compare with")
+    parser.add_argument("--baseline", default=None, help="git revision of atomic_save to compare with")
     parser.add_argument("--parts", action="store_true", help="also time torch.save, crc32 and write alone")
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary dir in the cwd)")
     args = parser.parse_args()

@@ -15,7 +15,7 @@ import torch
 
 import ranksafe
 from ranksafe.async_save import AsyncSaver
-from ranksafe.files import atomic_save, load_file
+from ranksafe.checkpoint_file import atomic_save, load_file
 from ranksafe.lock import StateDictLock
 from tests.ranks import run_ranks
 
@@ -426,7 +426,7 @@ def test_a_saver_nobody_refers_to_stops_its_thread(tmp_path):
 _EXIT_SCRIPT = """
 import sys, time, torch
 from ranksafe.async_save import AsyncSaver
-from ranksafe.files import atomic_save
+from ranksafe.checkpoint_file import atomic_save
 
 def slow(obj):
     time.sleep(1.0)
@@ -484,7 +484,7 @@ def _script(code: str, timeout: float = 90) -> subprocess.CompletedProcess:
 _SIGNAL_SAVE = """
 import faulthandler, os, signal, sys, threading, time, torch
 from ranksafe.async_save import AsyncSaver
-from ranksafe.files import atomic_save, load_file
+from ranksafe.checkpoint_file import atomic_save, load_file
 faulthandler.dump_traceback_later(30, exit=True)  # a hang prints where, and fails the test
 d, order = sys.argv[1] if len(sys.argv) > 1 else {tmp!r}, []
 saver = AsyncSaver(policy="wait", on_commit=lambda path: order.append(os.path.basename(path)))
@@ -592,7 +592,7 @@ def test_a_writer_thread_that_cannot_start_leaves_nothing_in_flight(tmp_path, mo
 _FORK = """
 import os, sys, torch
 from ranksafe.async_save import AsyncSaver
-from ranksafe.files import load_file
+from ranksafe.checkpoint_file import load_file
 d = {tmp!r}
 saver = AsyncSaver()
 state = {{"w": torch.zeros(1000)}}  # small: a forked child hangs in any OpenMP region torch opens (not ours)
@@ -619,7 +619,7 @@ def test_a_forked_child_saves_with_its_own_thread_and_never_writes_into_the_pare
 _FORK_START = """
 import multiprocessing, os, time, torch
 from ranksafe.async_save import AsyncSaver
-from ranksafe.files import atomic_save
+from ranksafe.checkpoint_file import atomic_save
 
 def slow(path):
     def write(obj):

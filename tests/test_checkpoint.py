@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import ranksafe
-from ranksafe import cli, commit
+from ranksafe import cli, steps
 from ranksafe import exchange as protocol
 from ranksafe.checkpoint import AtomicDir, CheckpointManager, list_steps, verify_step
 from tests.ranks import run_ranks
@@ -423,12 +423,12 @@ def test_a_step_removed_while_it_is_listed_is_left_out(tmp_path, monkeypatch):
     mgr = CheckpointManager(tmp_path, keep=None)
     for step in (1, 2, 3):
         mgr.save(step, _state(step))
-    look = commit._step_info
+    look = steps._step_info
 
     def removed_first(path, *args):
         if path.endswith("step_00000002"):
             shutil.rmtree(path)  # as retention would, between the listing and this look
         return look(path, *args)
 
-    monkeypatch.setattr(commit, "_step_info", removed_first)
+    monkeypatch.setattr(steps, "_step_info", removed_first)
     assert [s.step for s in list_steps(tmp_path, deep=True)] == [1, 3]

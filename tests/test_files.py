@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import ranksafe
-from ranksafe.files import TMP_SUFFIX, ChecksummingWriter, _host_tag, clean_orphans
+from ranksafe.checkpoint_file import ChecksummingWriter
+from ranksafe.files import TMP_SUFFIX, _host_tag, clean_orphans
 
 
 def _state(scale: float = 1.0) -> dict:

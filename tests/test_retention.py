@@ -40,16 +40,16 @@ def _val_loss(step: int) -> float:
 _KILLED = textwrap.dedent(
     """
     import os, signal, sys, torch, ranksafe
-    from ranksafe import files
+    from ranksafe import checkpoint_file
     mgr = ranksafe.CheckpointManager(sys.argv[1], keep=2, keep_period=5, best_metric="val_loss", keep_best=1)
-    write = files.ChecksummingWriter.write
+    write = checkpoint_file.ChecksummingWriter.write
 
     def killed_half_way(self, data):  # the writer dies while it writes step 13's state
         write(self, data)
         if self.length > 1 << 20:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    files.ChecksummingWriter.write = killed_half_way
+    checkpoint_file.ChecksummingWriter.write = killed_half_way
     mgr.save(13, {"w": torch.zeros(1 << 20)}, metrics={"val_loss": 0.0})  # it would have been the best
     """
 )
@@ -61,7 +61,7 @@ def test_the_best_newest_and_period_steps_survive_a_writer_killed_mid_save(tmp_p
     for step in range(1, 13):
         mgr.save(step, {"w": torch.full((2,), float(step))}, metrics={"val_loss": _val_loss(step)})
     survivors = [5, 10, 11, 12, 4]
-    assert sorted(mgr._committed()) == sorted(survivors)
+    assert sorted(mgr._dirs.committed()) == sorted(survivors)
     killed = subprocess.run([sys.executable, "-c", _KILLED, str(root)], timeout=120)
     assert killed.returncode == -signal.SIGKILL
     again = ranksafe.CheckpointManager(root, keep=2, keep_period=5, best_metric="val_loss", keep_best=1)

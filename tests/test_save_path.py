@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import ranksafe
-from ranksafe import files
+from ranksafe import checkpoint_file
 from ranksafe.errors import CorruptCheckpoint
 
 _BIG = 3 * (1 << 20) // 4  # float32 elements in 3 MiB: above the size hashed in the helper thread
@@ -48,10 +48,10 @@ def test_footer_crc_is_the_crc_of_every_byte(tmp_path):
     path = tmp_path / "m.pt"
     ranksafe.atomic_save(_state(), path)
     data = path.read_bytes()
-    payload, footer = data[: -files._FOOTER.size], data[-files._FOOTER.size :]
-    _, length, crc, _ = files._FOOTER.unpack(footer)
+    payload, footer = data[: -checkpoint_file._FOOTER.size], data[-checkpoint_file._FOOTER.size :]
+    _, length, crc, _ = checkpoint_file._FOOTER.unpack(footer)
     assert (length, crc) == (len(payload), zlib.crc32(payload))
-    assert files.verify_file(path) is True
+    assert checkpoint_file.verify_file(path) is True
 
 
 @pytest.mark.parametrize("before", [True, False])
@@ -70,21 +70,21 @@ def test_option_restored_and_lock_free_after_a_failing_save(tmp_path):
     with pytest.raises(Exception, match="pickle"):
         ranksafe.atomic_save({"f": lambda: 0}, tmp_path / "bad.pt")  # fails while pickling: before any write
     assert torch.serialization.get_crc32_options() is True
-    assert not files._zip_crc_lock.locked()
+    assert not checkpoint_file._zip_crc_lock.locked()
     assert os.listdir(tmp_path) == []
     ranksafe.atomic_save(_state(), tmp_path / "ok.pt")  # the next save is not blocked
-    assert files.verify_file(tmp_path / "ok.pt")
+    assert checkpoint_file.verify_file(tmp_path / "ok.pt")
 
 
 _FSIZE_CHILD = textwrap.dedent(
     """
     import resource, sys, torch, ranksafe
-    from ranksafe import files
+    from ranksafe import checkpoint_file
     resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[2]), resource.RLIM_INFINITY))
     try:
         ranksafe.atomic_save({"w": torch.zeros(1 << 22)}, sys.argv[1])  # 16 MiB: fails inside a large write
     except OSError as e:
-        print("ERR", e.errno, torch.serialization.get_crc32_options(), files._zip_crc_lock.locked())
+        print("ERR", e.errno, torch.serialization.get_crc32_options(), checkpoint_file._zip_crc_lock.locked())
     """
 )
 
@@ -132,14 +132,14 @@ def test_concurrent_saves_from_threads_are_all_valid(tmp_path):
     for k in range(4):
         for i in range(4):
             path = tmp_path / f"t{k}-{i}.pt"
-            assert files.verify_file(path) is True
+            assert checkpoint_file.verify_file(path) is True
             assert set(_zip_crcs(path)) == {0}
             assert torch.equal(ranksafe.load_file(path)["big"], _state(seed=k)["big"])
-    assert torch.serialization.get_crc32_options() is True and not files._zip_crc_lock.locked()
+    assert torch.serialization.get_crc32_options() is True and not checkpoint_file._zip_crc_lock.locked()
 
 
 class _CrcSpy:
-    """Stands in for the zlib module inside ranksafe.files: records which thread computed each CRC."""
+    """Stands in for the zlib module inside ranksafe.checkpoint_file: records which thread computed each CRC."""
 
     def __init__(self) -> None:
         self.threads: list[str] = []
@@ -151,7 +151,7 @@ class _CrcSpy:
 
 def test_helper_thread_hashes_for_main_thread_saves_only_and_is_gone_after(tmp_path, monkeypatch):
     spy = _CrcSpy()
-    monkeypatch.setattr(files, "zlib", spy)
+    monkeypatch.setattr(checkpoint_file, "zlib", spy)
     threads_before = threading.active_count()
     ranksafe.atomic_save(_state(), tmp_path / "main.pt")
     assert threading.active_count() == threads_before  # the helper ended with the save
@@ -164,21 +164,22 @@ def test_helper_thread_hashes_for_main_thread_saves_only_and_is_gone_after(tmp_p
     background.join(timeout=60)
     assert spy.threads and set(spy.threads) == {"bg"}  # an off-main-thread save hashes inline
     monkeypatch.undo()
-    assert files.verify_file(tmp_path / "main.pt") and files.verify_file(tmp_path / "bg.pt")
+    assert checkpoint_file.verify_file(tmp_path / "main.pt") and checkpoint_file.verify_file(tmp_path / "bg.pt")
 
 
 def test_large_saves_start_writeback_and_non_files_are_fine(tmp_path, monkeypatch):
     if sys.platform == "linux":
-        assert files._sync_file_range is not None
+        assert checkpoint_file._sync_file_range is not None
     calls: list[tuple[int, int]] = []
-    real = files._start_writeback
-    monkeypatch.setattr(files, "_start_writeback", lambda fd, offset: (calls.append((fd, offset)), real(fd, offset)))
-    monkeypatch.setattr(files, "_WRITEBACK", 2 << 20)
+    real = checkpoint_file._start_writeback
+    record = lambda fd, offset: (calls.append((fd, offset)), real(fd, offset))  # noqa: E731
+    monkeypatch.setattr(checkpoint_file, "_start_writeback", record)
+    monkeypatch.setattr(checkpoint_file, "_WRITEBACK", 2 << 20)
     ranksafe.atomic_save(_state(), tmp_path / "m.pt")
     assert len(calls) >= 2 and [o for _, o in calls] == sorted(o for _, o in calls)
-    assert files.verify_file(tmp_path / "m.pt")
+    assert checkpoint_file.verify_file(tmp_path / "m.pt")
     sink = io.BytesIO()  # a stream without a file descriptor: checksummed, no writeback asked
     before = len(calls)
-    w = files.ChecksummingWriter(sink)
+    w = checkpoint_file.ChecksummingWriter(sink)
     torch.save(_state(), w)
     assert len(calls) == before and w.crc == zlib.crc32(sink.getvalue()) and w.length == len(sink.getvalue())

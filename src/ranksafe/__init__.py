@@ -6,8 +6,9 @@ rank raised on every rank instead of a hang.
 
 from .async_save import AsyncSaver, BusyPolicy
 from .checkpoint import CheckpointManager
+from .checkpoint_file import atomic_save, load_file, verify_file
 from .collectives import AgreeOp, abort, abort_on_error, agree, all_gather, barrier, broadcast, main_first, together
-from .commit import StepStatus, list_steps, verify_step
+from .commit import verify_step
 from .errors import (
     BarrierTimeout,
     CollectiveMismatch,
@@ -16,11 +17,12 @@ from .errors import (
     RankSafeError,
     UntrustedCheckpoint,
 )
-from .files import atomic_save, atomic_write, load_file, verify_file
+from .files import atomic_write
 from .lock import StateDictLock
 from .retention import BestMode
 from .saving import Writer, load, prepare_dir, save
 from .snapshot import Captured, StagingBuffers
+from .steps import StepStatus, list_steps
 from .storage import Storage, StorageKind
 from .topology import is_local_main, is_main, local_rank, node_rank, rank, world_size
 

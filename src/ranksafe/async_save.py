@@ -2,7 +2,7 @@
 
 :class:`AsyncSaver` snapshots the state into reusable staging buffers (under the read side of a
 :class:`~ranksafe.lock.StateDictLock`, so never mid-step) and hands the snapshot to a writer thread that
-commits it with the same atomic protocol as a synchronous save (:func:`ranksafe.files.atomic_save`).
+commits it with the same atomic protocol as a synchronous save (:func:`ranksafe.checkpoint_file.atomic_save`).
 
 Failures travel like every ranksafe failure: the background thread records its exception, and every rank
 raises the same :class:`~ranksafe.RankFailure`: at the next step with :meth:`AsyncSaver.poll` (one store read per
@@ -26,10 +26,11 @@ from enum import Enum
 from typing import Any
 
 from . import remote, topology
+from .checkpoint_file import atomic_save, probe_write
 from .choice import Choice
 from .collectives import share_outcome, together
 from .errors import BarrierTimeout, CollectiveMismatch, Failure, rank_failure
-from .files import atomic_save, local_path, make_dirs, probe_write
+from .files import local_path, make_dirs
 from .lock import StateDictLock
 from .notice import StepNotice
 from .parked_thread import ParkedThread

@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
-import shutil
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from . import remote, topology
 from .async_save import AsyncSaver
+from .checkpoint_file import ChecksummingWriter, load_file, probe_write, save_with_footer
 from .collectives import broadcast, checked_timeout, default_timeout, exchange_outcome, share_outcome, together
 from .commit import (
     MANIFEST,
@@ -39,26 +38,24 @@ from .commit import (
     DirCommit,
     Entry,
     Place,
-    StepInfo,
     build_manifest,
     check_name,
     join,
-    list_steps,
     name_of,
-    names,
     open_for_commit,
     read_manifest,
     step_commit,
     verify_step,
 )
 from .errors import BarrierTimeout, CollectiveMismatch, CorruptCheckpoint
-from .files import ChecksummingWriter, load_file, local_path, probe_write, save_with_footer
+from .files import local_path
 from .lock import StateDictLock
 from .remote import Remote
 from .retention import BestMode, Retention
 from .saving import error_naming_target
 from .schedule import SaveSchedule
 from .sharded import StepShards, for_dcp, read_shards, refuse_sharded, require_shared, verify_shares
+from .steps import StepDirs, StepInfo, check_step, list_steps
 from .storage import Placement, Storage, StorageKind, placement
 
 __all__ = [
@@ -73,12 +70,6 @@ __all__ = [
 ]
 
 STATE = "state.pt"
-
-
-def _check_step(step: Any) -> int:
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be a non-negative int, not {step!r}")
-    return step
 
 
 class StepWriter:
@@ -110,7 +101,7 @@ class StepWriter:
                 whole = ChecksummingWriter(f)
                 if isinstance(raw, (bytes, bytearray, memoryview)):
                     whole.write(raw)
-                else:  # torch.save + ranksafe footer, as files.atomic_save writes it
+                else:  # torch.save + ranksafe footer, as atomic_save writes it
                     save_with_footer(obj, whole)
         except OSError as e:
             final = name_of(join(self._final, name))
@@ -164,7 +155,6 @@ class CheckpointManager:
     ):
         self.retention = Retention(keep, keep_period, best_metric, best_mode, keep_best)
         self.schedule = SaveSchedule(save_interval_steps, save_interval_seconds, preemption, f"checkpoint {prefix}")
-        check_name(prefix + "0", "step prefix")
         if not os.fspath(root):
             raise ValueError("root must name a directory, not ''")  # abspath('') would be the working directory
         storage = Storage(storage)
@@ -180,10 +170,7 @@ class CheckpointManager:
         self._metrics: dict[int, dict[str, float]] = {}  # the writer's: each step's metrics, as its manifest has them
         self.loaded_step: int | None = None  # the step the last load() returned (after any fallback)
         self._loading: set[int] = set()
-        self._pattern = re.compile(rf"^{re.escape(prefix)}(\d+)$")
-        # the debris of this manager's steps only: another manager's prefix may extend this one (step_, step_best_)
-        ends = "|".join(map(re.escape, (AtomicDir.PARTIAL, AtomicDir.OLD)))
-        self._debris = re.compile(rf"^\.({re.escape(prefix)}\d+)(?:{ends})$")
+        self._dirs = StepDirs(self._base, prefix)
         # writer="all": this manager, not the saver, decides who writes (the storage placement)
         self._saver = AsyncSaver(lock, writer="all", name="checkpoint") if async_save else None
         self.schedule.install()
@@ -231,22 +218,16 @@ class CheckpointManager:
             return Placement(StorageKind.SHARED, topology.is_main(), None)
         return placement(self.root, self.storage, self.timeout)
 
-    def _place(self, step: int) -> Place:
-        return join(self._base, f"{self.prefix}{_check_step(step):08d}")
-
     def step_dir(self, step: int) -> str:
         """The committed directory (or URL) of ``step`` (the same on every rank; no file-system call)."""
-        return name_of(self._place(step))
+        return name_of(self._dirs.place(step))
 
     def step_of(self, path: str | os.PathLike) -> int | None:
         """The step whose directory, or whose ``state.pt``, ``path`` is; None for any other path. Local."""
         place = remote.canonical(path)
         if place.endswith("/" + STATE):
             place = place[: -len(STATE) - 1]
-        found = self._pattern.match(os.path.basename(place))
-        if found is not None and self.step_dir(int(found[1])) == place:
-            return int(found[1])
-        return None
+        return self._dirs.step_of(place)
 
     def warmup(self, example_state: Any = None) -> None:
         """Before training, on every rank: fail now, not at the first save, when ``root`` cannot be written (a file
@@ -366,7 +347,7 @@ class CheckpointManager:
             if where.writer or sharded:  # sharded: every rank writes, so every rank waits
                 self._saver.wait()  # create() removes temporaries: the commit in flight must be done first
             self.check()  # a failed background commit stops every rank here, not a step later
-        commit = step_commit(self._place(step))
+        commit = step_commit(self._dirs.place(step))
         state_kind = "a state with DTensors" if sharded else "no DTensors"
         with together(f"checkpoint {step}: create, {state_kind}", self.timeout, f"checkpoint {step}: create"):
             if sharded:
@@ -374,7 +355,7 @@ class CheckpointManager:
             refuse_sharded(writer_files, f"checkpoint {step}")  # every rank: the writers write theirs whole
             floats = {k: float(v) for k, v in (metrics or {}).items()}  # a bad value on any rank fails every rank
             if where.writer:
-                self._clean_debris()
+                self._dirs.clean_debris()
                 commit.create()
         return commit, floats
 
@@ -473,60 +454,17 @@ class CheckpointManager:
                 tx.save(state, _shard(topology.rank()))
         return self.step_dir(step)
 
-    def _committed(self) -> list[int]:
-        """Steps committed in this rank's copy of ``root``, oldest first (file-system calls: writers only), with
-        any committed step a crash left aside put back first (:meth:`AtomicDir.recover`)."""
-        listed = self._names()
-        recovered = False
-        for m in filter(None, map(self._debris.match, listed)):
-            recovered |= step_commit(join(self._base, m.group(1))).recover()
-        if recovered:
-            listed = self._names()
-        steps = (int(m.group(1)) for m in map(self._pattern.match, listed) if m)
-        return sorted(s for s in steps if self._has_manifest(s))
-
-    def _names(self) -> list[str]:
-        """What ``root`` holds; nothing when it does not exist yet (a root that cannot be listed raises)."""
-        if isinstance(self._base, Remote):
-            return names(self._base)
-        try:
-            return os.listdir(self._base)
-        except FileNotFoundError:
-            return []
-
-    def _has_manifest(self, step: int) -> bool:
-        manifest = join(self._place(step), MANIFEST)
-        return manifest.exists() if isinstance(manifest, Remote) else os.path.isfile(manifest)
-
-    def _clean_debris(self) -> None:
-        """Remove what crashed saves and deletions of this manager's steps left, once a committed step among it
-        is put back (:meth:`AtomicDir.recover`). On remote storage that is every step without its manifest."""
-        listed = self._names()
-        if isinstance(self._base, Remote):
-            for m in filter(None, map(self._pattern.match, listed)):
-                if not self._has_manifest(int(m.group(1))):
-                    self._place(int(m.group(1))).remove()
-            return
-        for name in listed:
-            m = self._debris.match(name)
-            if m is None:
-                continue
-            AtomicDir(os.path.join(self._base, m.group(1))).recover()
-            path = os.path.join(self._base, name)
-            if os.path.lexists(path):  # not the copy recover() just put back
-                shutil.rmtree(path, ignore_errors=True)
-
     def _retain(self, newest: int) -> None:
         """Delete what :attr:`retention` no longer keeps, now that ``newest`` is committed (writers only)."""
-        for step in self.retention.doomed(self._committed(), newest, self._loading, self._metric):
-            step_commit(self._place(step)).delete()  # no longer committed before its files go
+        for step in self.retention.doomed(self._dirs.committed(), newest, self._loading, self._metric):
+            step_commit(self._dirs.place(step)).delete()  # no longer committed before its files go
             self._metrics.pop(step, None)
 
     def _metric(self, step: int) -> float | None:
         """``step``'s value of the retention's ``best_metric``, from its manifest (read once)."""
         if step not in self._metrics:
             try:
-                metrics = read_manifest(self._place(step)).get("metrics")
+                metrics = read_manifest(self._dirs.place(step)).get("metrics")
             except (OSError, CorruptCheckpoint):  # a damaged step is never the best
                 metrics = None
             self._metrics[step] = metrics if isinstance(metrics, dict) else {}
@@ -542,7 +480,7 @@ class CheckpointManager:
         if self.placement.writer:
             self.wait()  # the step in flight, and the retention after it, are done before listing
             try:
-                mine = self._committed()
+                mine = self._dirs.committed()
             except OSError as e:
                 error = error_naming_target(e, "cannot list the checkpoints in", self.root)
         what = f"checkpoint {self.root}: steps"
@@ -580,7 +518,7 @@ class CheckpointManager:
         if into is not None:
             require_shared(self.placement, self.root)
         if step is not None:
-            if _check_step(step) not in common:
+            if check_step(step) not in common:
                 raise FileNotFoundError(f"step {step} is not committed on every node under {self.root}")
             candidates = [step]
         elif not common:
@@ -599,10 +537,10 @@ class CheckpointManager:
                 warnings.warn(f"{bad}; falling back to step {previous}", RuntimeWarning, stacklevel=2)
             result = None
             if into is not None:  # sharded: every rank reads its part in place (a failure is shared by DCP)
-                result = read_shards(into, name_of(self._place(s)), f"checkpoint {s}: load", weights_only)
+                result = read_shards(into, name_of(self._dirs.place(s)), f"checkpoint {s}: load", weights_only)
             else:
                 with together(f"checkpoint {s}: load", self.timeout):
-                    path = join(self._place(s), _shard(topology.rank()) if sharded else STATE)
+                    path = join(self._dirs.place(s), _shard(topology.rank()) if sharded else STATE)
                     result = load_file(name_of(path), map_location, weights_only, storage_options=self.storage_options)
         finally:
             self._loading.difference_update(candidates)
@@ -664,9 +602,9 @@ class CheckpointManager:
         if split or self.placement.writer:
             try:
                 if split:
-                    verify_shares(self._place(step))
+                    verify_shares(self._dirs.place(step))
                 else:
-                    verify_step(self._place(step))
+                    verify_step(self._dirs.place(step))
             except Exception as e:  # whatever the writer met, every rank must hear of it in the exchange below
                 exc = e
         try:

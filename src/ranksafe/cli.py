@@ -13,9 +13,10 @@ import sys
 import time
 
 from . import remote
-from .commit import MANIFEST, StepStatus, list_steps, verify_step
+from .checkpoint_file import load_file, verify_file
+from .commit import MANIFEST, verify_step
 from .errors import CorruptCheckpoint, UntrustedCheckpoint
-from .files import load_file, verify_file
+from .steps import StepStatus, list_steps
 
 
 def _size(n: float) -> str:

@@ -20,8 +20,8 @@ it. The one thing a rename gives that a marker does not: replacing a committed s
 if the writer dies half-way, no copy of that step on remote storage (the earlier steps stay).
 
 Everyone can derive every path from the final one without a file-system call; only the writer creates, commits,
-aborts and recovers. :func:`verify_step` and :func:`list_steps` read a root without collectives (for
-``ranksafe verify`` and ``ranksafe ls``, and for humans).
+aborts and recovers. :func:`verify_step` reads a step without collectives (for ``ranksafe verify``, and
+for humans); :mod:`ranksafe.steps` lists a root's steps.
 """
 
 from __future__ import annotations
@@ -34,11 +34,9 @@ import shutil
 import time
 import zlib
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from typing import IO, Any, Protocol
 
 from . import remote
-from .choice import Choice
 from .errors import CorruptCheckpoint
 from .files import TMP_SUFFIX, atomic_write, fsync_dir, local_path, make_dirs
 from .remote import Remote
@@ -195,7 +193,7 @@ def _crc_file(place: Place) -> Entry:
     return size, crc
 
 
-def _walk(directory: Place) -> Iterator[str]:
+def step_files(directory: Place) -> Iterator[str]:
     """Relative paths ('/'-separated) of the files under ``directory``, except the manifest and temporaries."""
     if isinstance(directory, Remote):
         base = directory.path + "/"
@@ -210,7 +208,7 @@ def _walk(directory: Place) -> Iterator[str]:
                 yield rel
 
 
-def _size(place: Place) -> int:
+def size_of(place: Place) -> int:
     return place.fs.size(place.path) if isinstance(place, Remote) else os.stat(place).st_size
 
 
@@ -220,7 +218,7 @@ def build_manifest(
     """The manifest of ``directory``: every file's size and CRC32 (from ``known`` when the writer reported it), and
     the step's ``metrics`` if any."""
     files = {}
-    for rel in _walk(directory):
+    for rel in step_files(directory):
         size, crc = known[rel] if rel in known else _crc_file(join(directory, rel))
         files[rel] = {"size": size, "crc32": f"{crc:08x}"}
     manifest = {"format": FORMAT, "step": step, "time": time.time(), "files": files}
@@ -229,7 +227,7 @@ def build_manifest(
     return manifest
 
 
-def _resolve(place: str | os.PathLike | Remote, storage_options: dict[str, Any] | None) -> Place:
+def resolve(place: str | os.PathLike | Remote, storage_options: dict[str, Any] | None) -> Place:
     if isinstance(place, Remote):
         return place
     return Remote.of(place, storage_options) if remote.is_url(place) else local_path(place)
@@ -239,7 +237,7 @@ def read_manifest(
     step_dir: str | os.PathLike | Remote, storage_options: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """The manifest of a committed step directory; :class:`CorruptCheckpoint` if missing or unreadable."""
-    step_dir = _resolve(step_dir, storage_options)
+    step_dir = resolve(step_dir, storage_options)
     path = join(step_dir, MANIFEST)
     try:
         if isinstance(path, Remote):
@@ -289,13 +287,13 @@ def verify_step(
     be a URL of remote storage (``storage_options`` for its file system). ``share=(i, n)``: only every ``n``-th
     file from the ``i``-th, in name order (``n`` ranks checking one step together).
     """
-    step_dir = _resolve(step_dir, storage_options)
+    step_dir = resolve(step_dir, storage_options)
     manifest = read_manifest(step_dir)
     index, count = share
     for rel, meta in sorted(manifest["files"].items())[index::count]:
         place = join(step_dir, rel)
         try:
-            size = _size(place)
+            size = size_of(place)
         except FileNotFoundError:
             raise CorruptCheckpoint(name_of(place), "missing (listed in the manifest)") from None
         if size != meta["size"]:
@@ -309,68 +307,6 @@ def verify_step(
     return manifest
 
 
-class StepStatus(Choice):
-    """A step directory as :func:`list_steps` finds it: ``committed`` (its manifest verifies), ``incomplete`` (no
-    manifest: a save in progress, or a crashed one) or ``corrupt`` (a file differs from the manifest)."""
-
-    COMMITTED = "committed"
-    INCOMPLETE = "incomplete"
-    CORRUPT = "corrupt"
-
-
-@dataclass(frozen=True)
-class StepInfo:
-    """One step directory as :func:`list_steps` sees it."""
-
-    step: int
-    path: str
-    status: StepStatus
-    size: int  # bytes of the files found
-    time: float  # commit time from the manifest, else the directory's modification time
-    error: str | None = None
-
-
-def step_pattern(prefix: str) -> re.Pattern[str]:
-    """Names of step directories: ``prefix`` and digits, or the hidden temporary of one (``.step_7.ranksafe-partial``).
-    Group 1: the hidden dot; group 2: the step; group 3: the temporary's suffix."""
-    return re.compile(rf"^(\.)?{re.escape(prefix)}(\d+)({re.escape(AtomicDir.PARTIAL)})?$")
-
-
-def list_steps(
-    root: str | os.PathLike, prefix: str = "step_", deep: bool = False, storage_options: dict[str, Any] | None = None
-) -> list[StepInfo]:
-    """Every step directory under ``root``, oldest first, as committed, incomplete or corrupt. No collectives.
-
-    A step that disappears while it is being looked at (retention, a commit renaming it) is left out. ``root``
-    may be a URL of remote storage.
-    """
-    base = _resolve(root, storage_options)
-    pattern = step_pattern(prefix)
-    out = []
-    for name in names(base):
-        m = pattern.match(name)
-        if not m or bool(m.group(1)) != bool(m.group(3)):
-            continue
-        with contextlib.suppress(FileNotFoundError):
-            out.append(_step_info(join(base, name), int(m.group(2)), bool(m.group(3)), deep))
-    return sorted(out, key=lambda s: (s.step, s.status is not StepStatus.COMMITTED))
-
-
-def _step_info(place: Place, step: int, partial: bool, deep: bool) -> StepInfo:
-    size = sum(_size(join(place, rel)) for rel in _walk(place))
-    status = StepStatus.COMMITTED
-    error, when = None, _mtime(place)
-    if partial or not _exists(join(place, MANIFEST)):
-        status = StepStatus.INCOMPLETE  # a save in progress, a crashed one, or a directory that never committed
-    else:
-        try:
-            written = verify_step(place, deep=deep).get("time")
-            when = written if isinstance(written, (int, float)) else when
-        except CorruptCheckpoint as e:
-            status, error = StepStatus.CORRUPT, str(e)
-    return StepInfo(step, name_of(place), status, size, when, error)
-
-
 def names(directory: Place) -> list[str]:
     """The names in ``directory``, sorted; none when it does not exist."""
     if isinstance(directory, Remote):
@@ -379,13 +315,3 @@ def names(directory: Place) -> list[str]:
         return sorted(os.listdir(directory))
     except (FileNotFoundError, NotADirectoryError):
         return []
-
-
-def _exists(place: Place) -> bool:
-    return place.exists() if isinstance(place, Remote) else os.path.isfile(place)
-
-
-def _mtime(place: Place) -> float:
-    if isinstance(place, Remote):
-        return 0.0  # a prefix has no time of its own: the manifest's is used once there is one
-    return os.stat(place).st_mtime

@@ -18,9 +18,10 @@ import torch
 import torch.distributed as dist
 
 from . import topology
+from .checkpoint_file import atomic_save
 from .collectives import agree, all_gather, barrier, together
 from .errors import RankSafeError
-from .files import atomic_save, make_dirs
+from .files import make_dirs
 from .storage import StorageKind, placement
 
 

@@ -11,9 +11,10 @@ import shutil
 from typing import Any
 
 from . import remote, topology
+from .checkpoint_file import atomic_save, load_file
 from .choice import Choice
 from .collectives import barrier, together
-from .files import atomic_save, load_file, local_path, make_dirs
+from .files import local_path, make_dirs
 from .sharded import refuse_sharded
 
 
@@ -103,7 +104,7 @@ def load(
     only after its save returned). A missing, truncated or corrupt file raises the same error on every
     rank (``FileNotFoundError``, :class:`CorruptCheckpoint`, ...), naming the path and the ranks, even
     when only some ranks could not read it. ``weights_only``, ``verify`` and the rest as
-    :func:`~ranksafe.files.load_file`: ``None`` leaves the choice to ``torch.load``; ``verify=False`` skips the
+    :func:`~ranksafe.load_file`: ``None`` leaves the choice to ``torch.load``; ``verify=False`` skips the
     footer's checksum. ``path`` may be a URL of remote storage.
     """
     path, _ = _checked(path, storage_options)

@@ -38,9 +38,9 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.futures import Future
 
 from . import remote, topology
+from .checkpoint_file import ChecksummingWriter
 from .commit import Entry, Place, verify_step
 from .errors import Failure, RankFailure, UntrustedCheckpoint, rank_failure
-from .files import ChecksummingWriter
 from .remote import Remote
 from .storage import Placement, StorageKind
 

@@ -85,7 +85,7 @@ class FaultyIO(BaseIO):
 
 def _arm_kill(path: str) -> None:
     """SIGKILL this process from inside the checkpoint write, once 2 MiB of it went through the writer."""
-    write = ranksafe.files.ChecksummingWriter.write
+    write = ranksafe.checkpoint_file.ChecksummingWriter.write
 
     def write_then_die(self, data):
         n = write(self, data)
@@ -94,7 +94,7 @@ def _arm_kill(path: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         return n
 
-    ranksafe.files.ChecksummingWriter.write = write_then_die
+    ranksafe.checkpoint_file.ChecksummingWriter.write = write_then_die
 
 
 def picklable(objects: dict) -> dict:

@@ -32,8 +32,8 @@ from fastcore.foundation import L
 
 from .. import remote, topology
 from ..checkpoint import CheckpointManager
+from ..checkpoint_file import load_file
 from ..collectives import abort, barrier, broadcast, together
-from ..files import load_file
 from ..lock import StateDictLock
 from ..options import needs_checkpoint_dir, positive_int
 from ..retention import Retention

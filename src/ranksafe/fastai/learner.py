@@ -29,9 +29,10 @@ from fastcore.foundation import L
 from fastcore.xtras import load_pickle
 
 from .. import remote, saving, topology
+from ..checkpoint_file import atomic_save, load_plain_pickle
 from ..collectives import together
 from ..errors import UntrustedCheckpoint
-from ..files import atomic_save, load_plain_pickle, make_dirs
+from ..files import make_dirs
 from . import compat
 
 PathLike = str | os.PathLike

@@ -22,8 +22,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from .. import remote, topology
 from ..async_save import poll_savers
 from ..checkpoint import STATE, CheckpointManager
+from ..checkpoint_file import load_file, probe_write
 from ..collectives import abort, agree, broadcast, checked_timeout, together
-from ..files import atomic_link, clean_orphans, load_file, probe_write
+from ..files import atomic_link, clean_orphans
 from ..lock import StateDictLock
 from ..monitor import MonitorAgreement, MonitorOp
 from ..options import needs_checkpoint_dir, positive_int

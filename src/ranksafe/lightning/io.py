@@ -19,7 +19,8 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 
 from .. import remote, topology
 from ..async_save import AsyncSaver
-from ..files import atomic_link, atomic_save, load_file, local_path, make_dirs
+from ..checkpoint_file import atomic_save, load_file
+from ..files import atomic_link, local_path, make_dirs
 from ..lock import StateDictLock
 from ..saving import error_naming_target
 
