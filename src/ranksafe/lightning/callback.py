@@ -21,19 +21,19 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from .. import remote, topology
 from ..async_save import poll_savers
-from ..checkpoint import STATE, CheckpointManager
-from ..checkpoint_file import load_file, probe_write
-from ..collectives import abort, agree, broadcast, checked_timeout, together
+from ..checkpoint import CheckpointManager
+from ..checkpoint_file import probe_write
+from ..collectives import abort, broadcast, checked_timeout, together
 from ..files import atomic_link, clean_orphans
 from ..lock import StateDictLock
 from ..monitor import MonitorAgreement, MonitorOp
 from ..options import needs_checkpoint_dir, positive_int
 from ..saving import error_naming_target, prepare_dir
-from ..sharded import for_dcp
 from ..storage import Storage
 from . import compat
 from .io import RankSafeCheckpointIO
-from .preemption import UNAGREED_REQUEUE, SlurmRequeue, requeue
+from .preemption import UNAGREED_REQUEUE, SlurmRequeue
+from .steps import TrainerSteps
 from .wrapped import unwrap, wrap
 
 
@@ -155,40 +155,35 @@ class RankSafe(Callback):
         self.overwrite = overwrite
         self.monitors = MonitorAgreement(monitor_op)
         self.timeout = checked_timeout(timeout)
-        self._manager_args = None
+        self._steps_args = None
         if checkpoint_dir is not None:
-            self._manager_args = dict(
-                root=checkpoint_dir, keep=keep, storage=storage, timeout=timeout, async_save=async_save,
-                save_interval_steps=every_n_train_steps, save_interval_seconds=seconds, preemption=preemption,
+            self._steps_args = dict(
+                every_n_epochs=self.every_n_epochs, root=checkpoint_dir, keep=keep, storage=storage, timeout=timeout,
+                async_save=async_save, save_interval_steps=every_n_train_steps, save_interval_seconds=seconds,
+                preemption=preemption,
             )  # fmt: skip
         self.lock = StateDictLock()  # the manager's snapshots take its read side; optimizer steps its write side
-        self.manager = self._new_manager()
+        self.steps = self._new_steps()
         self._io: RankSafeCheckpointIO | None = None  # the async plugin of the current run, if any
         self._after_monitors = False  # the step's and the epoch's saves come after the last monitoring callback's
         self._polled_step = -1  # the optimizer step whose end was last checked (savers, schedule)
-        self._requeue: SlurmRequeue | None = None  # what the run's SLURMEnvironment asks for after a preemption
-        self._stopping = False  # this fit's preemption step is saved: only stop requests from now on
 
-    def _new_manager(self) -> CheckpointManager | None:
-        if self._manager_args is None:
-            return None
-        manager = CheckpointManager(**self._manager_args, lock=self.lock)
-        # the manager installs its signal handlers at once; RankSafe's are in place only while a fit runs
-        manager.schedule.uninstall()
-        return manager
+    def _new_steps(self) -> TrainerSteps | None:
+        return None if self._steps_args is None else TrainerSteps(self.lock, **self._steps_args)
 
     @property
-    def _handles_signals(self) -> bool:
-        return self.manager is not None and self.manager.schedule.signals is not None
+    def manager(self) -> CheckpointManager | None:
+        """The :class:`~ranksafe.CheckpointManager` of ``checkpoint_dir``, or None without one."""
+        return None if self.steps is None else self.steps.manager
 
     def __getstate__(self) -> dict[str, Any]:
         """``ddp_spawn`` pickles the callbacks with the Trainer: locks and threads are made anew in the worker."""
-        return {**self.__dict__, "lock": None, "manager": None, "_io": None}
+        return {**self.__dict__, "lock": None, "steps": None, "_io": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.lock = StateDictLock()
-        self.manager = self._new_manager()
+        self.steps = self._new_steps()
 
     def latest_checkpoint(self) -> str | None:
         """The file of the newest step committed on every node, the same on every rank, or None; collective.
@@ -197,13 +192,9 @@ class RankSafe(Callback):
         ``resume=True`` there. With ``torchrun`` (the group initialised before the Trainer) you may pass
         ``ckpt_path=rank_safe.latest_checkpoint()`` yourself.
         """
-        if self.manager is None:
+        if self.steps is None:
             raise ValueError("latest_checkpoint() needs RankSafe(checkpoint_dir=...)")
-        step = self.manager.latest()
-        if step is None:
-            return None
-        state = os.path.join(self.manager.step_dir(step), STATE)  # a step of sharded state is its directory
-        return state if remote.exists(state) else self.manager.step_dir(step)
+        return self.steps.latest_checkpoint()
 
     @property
     def _async_manager(self) -> bool:
@@ -213,7 +204,6 @@ class RankSafe(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Runs on every rank once the process group exists, before any checkpoint is loaded or saved."""
         self._io = _async_io(trainer)
-        self._stopping, self._requeue = False, None
         if self._io is not None:
             self._io._attach()
         self._wrap_strategy(trainer, _shared())
@@ -222,17 +212,13 @@ class RankSafe(Callback):
             self._take_over_signals(trainer)
 
     def _take_over_signals(self, trainer: pl.Trainer) -> None:
-        """With preemption, the manager's signal handlers replace Lightning's for this fit. Without, a warning when
-        Lightning's SLURM requeue handler would save with other ranks."""
-        requeue_asked = SlurmRequeue.of(trainer)
-        if not self._handles_signals:
-            if requeue_asked is not None and _shared() and topology.is_main():
-                warnings.warn(UNAGREED_REQUEUE, stacklevel=3)
-            return
-        if requeue_asked is not None:
-            requeue_asked.check_handled(self.manager.schedule.signals.signals)  # type: ignore[union-attr]
-        self._requeue = requeue_asked
-        wrap(compat.signal_connector(trainer), "register_signal_handlers", self._register_signals)
+        """With preemption, the manager's signal handlers replace Lightning's for this fit (:class:`TrainerSteps`).
+        Without, a warning when Lightning's SLURM requeue handler would save with other ranks."""
+        if self.steps is not None and self.steps.handles_signals:
+            self.steps.take_over_signals(trainer)
+            wrap(compat.signal_connector(trainer), "register_signal_handlers", self._register_signals)
+        elif SlurmRequeue.of(trainer) is not None and _shared() and topology.is_main():
+            warnings.warn(UNAGREED_REQUEUE, stacklevel=3)
 
     def _wrap_strategy(self, trainer: pl.Trainer, shared: bool) -> None:
         strategy = trainer.strategy
@@ -248,7 +234,7 @@ class RankSafe(Callback):
 
     def _wrap_callbacks(self, trainer: pl.Trainer, shared: bool) -> None:
         monitors = [cb for cb in trainer.callbacks if isinstance(cb, (EarlyStopping, Checkpoint))]
-        self._after_monitors = self.manager is not None and bool(monitors)
+        self._after_monitors = self.steps is not None and bool(monitors)
         if self._after_monitors:
             wrap(monitors[-1], "on_train_batch_end", self._then_end_step)
             wrap(monitors[-1], "on_train_epoch_end", self._then_end_epoch)
@@ -339,51 +325,13 @@ class RankSafe(Callback):
             savers.append(self.manager.saver)  # type: ignore[union-attr]
         if savers:
             poll_savers(savers)
-        if self.manager is None:
-            return
-        if self.manager.should_save(step) and not self._stopping:
-            self._save(trainer)
-        if self.manager.preempted:
-            self._stop(trainer)
+        if self.steps is not None:
+            self.steps.end_step(trainer)
 
     def _end_epoch(self, trainer: pl.Trainer) -> None:
-        """Every ``every_n_epochs``-th epoch's save; none after a preemption (its step is saved, and a checkpoint of
-        the epoch cut short would resume at the next one, skipping the rest of this one)."""
-        if self.manager is None or self.every_n_epochs is None or self.manager.preempted:
-            return
-        if (trainer.current_epoch + 1) % self.every_n_epochs == 0:
-            self._save(trainer)
-
-    def _save(self, trainer: pl.Trainer) -> None:
-        checkpoint = compat.checkpoint_connector(trainer).dump_checkpoint(weights_only=False)
-        sharded = for_dcp(checkpoint)
-        if sharded is None:
-            self.manager.save(trainer.global_step, checkpoint)
-            return
-        # sharded (ModelParallelStrategy): the weights and optimizer states through DCP, every rank its part, and
-        # the rest in one file, as Lightning lays out its own sharded checkpoints
-        shards = {"state_dict": sharded.pop("state_dict")}
-        shards.update({f"optimizer_{i}": s for i, s in enumerate(sharded.pop("optimizer_states", []))})
-        self.manager.save(trainer.global_step, shards, extra_files={compat.SHARDED_METADATA: sharded})
-
-    def _stop(self, trainer: pl.Trainer) -> None:
-        """After the preemption step's save, on every rank: wait for its commit, requeue the SLURM job if asked,
-        and stop. Asked again (a loop that ``min_epochs`` or ``min_steps`` keeps going), only the stop request."""
-        if not self._stopping:
-            self._stopping = True
-            if self._async_manager:
-                self.manager.wait()  # type: ignore[union-attr]  # this writer's commit; check() hears of every writer's
-                self.manager.check()  # type: ignore[union-attr]
-            if self._requeue is not None and self._requeue_asked() and trainer.is_global_zero:
-                requeue()
-        trainer.should_stop = True
-
-    def _requeue_asked(self) -> bool:
-        """Whether any rank received the requeue signal (as in Lightning, a SIGTERM alone stops without requeue:
-        ``scancel`` sends it); collective."""
-        received = self.manager.schedule.signals.received  # type: ignore[union-attr]
-        asked = received is not None and received == self._requeue.signal  # type: ignore[union-attr]
-        return bool(agree(asked, "any", name="SLURM requeue", timeout=self.timeout))
+        """The end of a training epoch: its manager step, if one is due (:meth:`TrainerSteps.end_epoch`)."""
+        if self.steps is not None:
+            self.steps.end_epoch(trainer)
 
     # -- what the wrapped methods run (``original`` is the method they replace) ------------------------
     def _together(self, name: str, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -400,38 +348,10 @@ class RankSafe(Callback):
             self._io.wait()
             self._io.check()
         step = None if self.manager is None or checkpoint_path is None else self.manager.step_of(checkpoint_path)
-        if step is None:
-            with _shared_outcome("Trainer.load_checkpoint", self.timeout):
-                return original(checkpoint_path, weights_only=weights_only)
-        step_dir = self.manager.step_dir(step)  # type: ignore[union-attr]
-        if remote.canonical(checkpoint_path) == step_dir:  # a step named by its directory: sharded, or not
-            plain = agree(remote.exists(os.path.join(step_dir, STATE)), "any", name="plain step")
-            if not plain:
-                return self._load_sharded(trainer, step, weights_only)
-        return self.manager.load(step, weights_only=weights_only)  # type: ignore[union-attr]
-
-    def _load_sharded(self, trainer: pl.Trainer, step: int, weights_only: bool | None) -> dict[str, Any]:
-        """A step of sharded state into the strategy's model and optimizers, in place, resharded to this run; returns
-        the rest of the checkpoint (what the strategy's own ``load_checkpoint`` returns)."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        model, optimizers = trainer.strategy.model, trainer.strategy.optimizers
-        into = {"state_dict": get_model_state_dict(model)}
-        into.update({f"optimizer_{i}": get_optimizer_state_dict(model, opt) for i, opt in enumerate(optimizers)})
-        self.manager.load(step, weights_only=weights_only, into=into)  # type: ignore[union-attr]
-        strict = StateDictOptions(strict=trainer.lightning_module.strict_loading)
-        set_model_state_dict(model, into["state_dict"], options=strict)
-        for i, opt in enumerate(optimizers):
-            set_optimizer_state_dict(model, opt, into[f"optimizer_{i}"])
-        rest = os.path.join(self.manager.step_dir(step), compat.SHARDED_METADATA)  # type: ignore[union-attr]
-        with _shared_outcome("Trainer.load_checkpoint: the rest", self.timeout):
-            return load_file(rest, weights_only=weights_only)
+        if step is not None:
+            return self.steps.load(trainer, step, checkpoint_path, weights_only)  # type: ignore[union-attr]
+        with _shared_outcome("Trainer.load_checkpoint", self.timeout):
+            return original(checkpoint_path, weights_only=weights_only)
 
     def _resume_start(
         self, trainer: pl.Trainer, original: Callable[..., Any], checkpoint_path: Any = None, weights_only: Any = None

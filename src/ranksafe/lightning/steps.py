@@ -1,0 +1,148 @@
+"""``RankSafe(checkpoint_dir=...)``: the Trainer's full checkpoint kept as the numbered steps of a
+:class:`~ranksafe.CheckpointManager`.
+
+:class:`TrainerSteps` decides nothing itself: the manager says when to save (its schedule, asked on every rank once
+per optimizer step) and when a preemption stops the fit. It turns those answers into Lightning's terms: the
+Trainer's checkpoint as a step's state (its weights and optimizer states through DCP when they are sharded), a stop
+request (and SLURM's requeue) after the preemption step, and a step loaded back in place of a file.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+
+from .. import remote
+from ..checkpoint import STATE, CheckpointManager
+from ..checkpoint_file import load_file
+from ..collectives import agree, together
+from ..lock import StateDictLock
+from ..sharded import for_dcp
+from . import compat
+from .preemption import SlurmRequeue, requeue
+
+
+class TrainerSteps:
+    """The manager steps of one :class:`~ranksafe.lightning.RankSafe`: what its hooks call, on every rank.
+
+    ``every_n_epochs``: save at the end of every this many epochs (``None``: no epoch saves); the manager's
+    arguments (``root``, ``keep``, the step and time intervals, ``preemption``...) say the rest.
+    """
+
+    def __init__(self, lock: StateDictLock, every_n_epochs: int | None, **manager_args: Any):
+        self.manager = CheckpointManager(**manager_args, lock=lock)
+        # the manager installs its signal handlers at once; RankSafe's are in place only while a fit runs
+        self.manager.schedule.uninstall()
+        self.every_n_epochs = every_n_epochs
+        self._requeue: SlurmRequeue | None = None  # what the run's SLURMEnvironment asks for after a preemption
+        self._stopping = False  # this fit's preemption step is saved: only stop requests from now on
+
+    @property
+    def handles_signals(self) -> bool:
+        """Whether preemption is on: the manager's signal handlers replace Lightning's during ``fit``."""
+        return self.manager.schedule.signals is not None
+
+    def latest_checkpoint(self) -> str | None:
+        """The file of the newest step committed on every node (its directory for a step of sharded state), or
+        None; collective."""
+        step = self.manager.latest()
+        if step is None:
+            return None
+        state = os.path.join(self.manager.step_dir(step), STATE)
+        return state if remote.exists(state) else self.manager.step_dir(step)
+
+    # -- a fit -----------------------------------------------------------------------------------------------
+
+    def take_over_signals(self, trainer: pl.Trainer) -> None:
+        """At ``setup`` of a fit with preemption, before the manager's signal handlers replace Lightning's (RankSafe
+        wraps the signal connector): SLURM's requeue, if the run's environment asks for one, follows the preemption
+        step's commit."""
+        self._stopping = False
+        self._requeue = SlurmRequeue.of(trainer)
+        if self._requeue is not None:
+            self._requeue.check_handled(self.manager.schedule.signals.signals)  # type: ignore[union-attr]
+
+    def end_step(self, trainer: pl.Trainer) -> None:
+        """At the end of an optimizer step, on every rank: save this step if the manager says so, and stop after a
+        preemption."""
+        if self.manager.should_save(trainer.global_step) and not self._stopping:
+            self.save(trainer)
+        if self.manager.preempted:
+            self._stop(trainer)
+
+    def end_epoch(self, trainer: pl.Trainer) -> None:
+        """Every ``every_n_epochs``-th epoch's save; none after a preemption (its step is saved, and a checkpoint of
+        the epoch cut short would resume at the next one, skipping the rest of this one)."""
+        if self.every_n_epochs is None or self.manager.preempted:
+            return
+        if (trainer.current_epoch + 1) % self.every_n_epochs == 0:
+            self.save(trainer)
+
+    def save(self, trainer: pl.Trainer) -> None:
+        """The Trainer's full checkpoint as step ``trainer.global_step``; collective."""
+        checkpoint = compat.checkpoint_connector(trainer).dump_checkpoint(weights_only=False)
+        sharded = for_dcp(checkpoint)
+        if sharded is None:
+            self.manager.save(trainer.global_step, checkpoint)
+            return
+        # sharded (ModelParallelStrategy): the weights and optimizer states through DCP, every rank its part, and
+        # the rest in one file, as Lightning lays out its own sharded checkpoints
+        shards = {"state_dict": sharded.pop("state_dict")}
+        shards.update({f"optimizer_{i}": s for i, s in enumerate(sharded.pop("optimizer_states", []))})
+        self.manager.save(trainer.global_step, shards, extra_files={compat.SHARDED_METADATA: sharded})
+
+    def _stop(self, trainer: pl.Trainer) -> None:
+        """After the preemption step's save, on every rank: wait for its commit, requeue the SLURM job if asked,
+        and stop. Asked again (a loop that ``min_epochs`` or ``min_steps`` keeps going), only the stop request."""
+        if not self._stopping:
+            self._stopping = True
+            if self.manager.async_save:
+                self.manager.wait()  # this writer's commit; check() hears of every writer's
+                self.manager.check()
+            if self._requeue is not None and self._requeue_asked() and trainer.is_global_zero:
+                requeue()
+        trainer.should_stop = True
+
+    def _requeue_asked(self) -> bool:
+        """Whether any rank received the requeue signal (as in Lightning, a SIGTERM alone stops without requeue:
+        ``scancel`` sends it); collective."""
+        received = self.manager.schedule.signals.received  # type: ignore[union-attr]
+        asked = received is not None and received == self._requeue.signal  # type: ignore[union-attr]
+        return bool(agree(asked, "any", name="SLURM requeue", timeout=self.manager.timeout))
+
+    # -- loading ---------------------------------------------------------------------------------------------
+
+    def load(self, trainer: pl.Trainer, step: int, checkpoint_path: Any, weights_only: bool | None) -> Any:
+        """Step ``step``, named by ``checkpoint_path`` (its ``state.pt`` or its directory), verified against its
+        manifest on every node; what the strategy's ``load_checkpoint`` returns. Collective."""
+        step_dir = self.manager.step_dir(step)
+        if remote.canonical(checkpoint_path) == step_dir:  # a step named by its directory: sharded, or not
+            plain = agree(remote.exists(os.path.join(step_dir, STATE)), "any", name="plain step")
+            if not plain:
+                return self._load_sharded(trainer, step, weights_only)
+        return self.manager.load(step, weights_only=weights_only)
+
+    def _load_sharded(self, trainer: pl.Trainer, step: int, weights_only: bool | None) -> dict[str, Any]:
+        """A step of sharded state into the strategy's model and optimizers, in place, resharded to this run; returns
+        the rest of the checkpoint (what the strategy's own ``load_checkpoint`` returns)."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        model, optimizers = trainer.strategy.model, trainer.strategy.optimizers
+        into = {"state_dict": get_model_state_dict(model)}
+        into.update({f"optimizer_{i}": get_optimizer_state_dict(model, opt) for i, opt in enumerate(optimizers)})
+        self.manager.load(step, weights_only=weights_only, into=into)
+        strict = StateDictOptions(strict=trainer.lightning_module.strict_loading)
+        set_model_state_dict(model, into["state_dict"], options=strict)
+        for i, opt in enumerate(optimizers):
+            set_optimizer_state_dict(model, opt, into[f"optimizer_{i}"])
+        rest = os.path.join(self.manager.step_dir(step), compat.SHARDED_METADATA)
+        with together("Trainer.load_checkpoint: the rest", self.manager.timeout):
+            return load_file(rest, weights_only=weights_only)
