@@ -213,7 +213,6 @@ def _key_path(obj: Any, index: int, path: str = "state") -> str | None:
     """Where the slot numbered ``index`` is in the walked containers of ``obj``."""
     if type(obj) is _Slot:
         return path if obj.index == index else None
-        return path
     if isinstance(obj, (Mapping, UserDict)):
         items = obj.items()
     elif isinstance(obj, (list, tuple)):
