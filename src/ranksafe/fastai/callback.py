@@ -25,7 +25,7 @@ from typing import Any
 
 from fastai.callback.core import Callback
 from fastai.callback.schedule import LRFinder
-from fastai.callback.tracker import EarlyStoppingCallback, ReduceLROnPlateau, TerminateOnNaNCallback, TrackerCallback
+from fastai.callback.tracker import TerminateOnNaNCallback
 from fastai.distributed import DistributedTrainer
 from fastai.learner import CancelFitException, Learner, SkipToEpoch
 from fastcore.foundation import L
@@ -41,7 +41,7 @@ from ..schedule import SaveSchedule
 from ..storage import Storage
 from . import learner
 from .distributed import any_backend, prepare_distributed
-from .guards import guard, put_back, quiet_csv_loggers, refuse_remote_csv
+from .guards import guard, put_back, quiet_csv_loggers, quiet_trackers, refuse_remote_csv
 from .learner import METHODS, install, stock_method, uninstall
 from .mid_epoch import Resumption, end_resumed_epoch, restore_epoch_start, skip_done_batches
 from .training_state import (
@@ -103,10 +103,6 @@ class _StepBoundary(Callback):
     def after_batch(self) -> None:
         """At the boundary, :meth:`RankSafe._step_boundary`."""
         self.owner._step_boundary()
-
-
-def _skipped_event() -> None:
-    """A tracker's event kept quiet (:meth:`RankSafe._quiet_trackers`)."""
 
 
 _TRANSIENT = {"_fit": None, "_manager": None, "_lock": None, "_fits": 0, "_steps": 0, "_exported_ranks": False}
@@ -424,7 +420,7 @@ class RankSafe(Callback):
         self._release()
         end_resumed_epoch(self.learn)  # an epoch cancelled before its training pass
         if checkpointing and not fit.trained and self.epoch != fit.tracked_epoch:
-            self._quiet_trackers(fit, bookkeeping=self.epoch < len(fit.history))
+            quiet_trackers(self.learn, fit.replaced, "after_epoch", bookkeeping=self.epoch < len(fit.history))
         self._agree_on_record()
         if checkpointing and fit.trained and (self.epoch + 1) % self.every == 0:
             self._save(fit, inside_epoch=False)
@@ -448,28 +444,6 @@ class RankSafe(Callback):
             agreed = broadcast(list(recorder.values[-1]), name="fastai: epoch record")
             recorder.values[-1] = self.learn.final_record = L(agreed)
 
-    def _quiet_trackers(self, fit: _Fit, bookkeeping: bool) -> None:
-        """An epoch a resume skips: the trackers acted on it in the run that saved it, and what they did is in the
-        restored state (the best model on disk, the reduced learning rate). With ``bookkeeping`` they update what
-        they track (the best value, the epochs without improvement), and do nothing else. The saved epoch itself
-        was checkpointed before its trackers ran, so they run for it as usual (:attr:`_Fit.tracked_epoch`)."""
-        for cb in self._trackers():
-            if bookkeeping:
-                TrackerCallback.after_epoch(cb)
-                if isinstance(cb, (EarlyStoppingCallback, ReduceLROnPlateau)):
-                    cb.wait = 0 if cb.new_best else cb.wait + 1
-                    if isinstance(cb, ReduceLROnPlateau) and cb.wait >= cb.patience:
-                        cb.wait = 0  # the reduction it made then is in the restored hypers
-            self._quiet(fit, cb, "after_epoch")
-
-    def _trackers(self) -> list[TrackerCallback]:
-        return [cb for cb in self.learn.cbs if isinstance(cb, TrackerCallback) and cb.run]
-
-    @staticmethod
-    def _quiet(fit: _Fit, cb: Callback, event: str) -> None:
-        vars(cb)[event] = _skipped_event
-        fit.replaced.append((cb, event))
-
     def after_fit(self) -> None:
         """Wait for the last checkpoint and raise its failure on every rank. A preempted fit is not the end of
         training: the trackers' ``after_fit`` (``SaveModelCallback`` loading the best model) waits for the fit that
@@ -480,8 +454,7 @@ class RankSafe(Callback):
             self.learn.epoch = fit.epoch  # a validate pass inside the fit ended: TrainEvalCallback set it to 0
         elif fit is not None and fit.checkpointing:
             if self._preempted:
-                for cb in self._trackers():
-                    self._quiet(fit, cb, "after_fit")
+                quiet_trackers(self.learn, fit.replaced, "after_fit")
             self._stop_checkpointing(fit, failed=False)
 
     def _stop_checkpointing(self, fit: _Fit, failed: bool) -> None:

@@ -7,7 +7,9 @@
   rank while the others went on into the next gradient all-reduce).
 
 The last two get events of their own on the instance (:func:`guard`), ``functools.partial`` objects that pickle;
-:func:`put_back` takes them off when the fit is over.
+:func:`put_back` takes them off when the fit is over. The trackers (``SaveModelCallback``, ``EarlyStoppingCallback``,
+``ReduceLROnPlateau``...) are kept quiet where a resumed fit goes over what the run that saved it did
+(:func:`quiet_trackers`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch.distributed as dist
 from fastai.callback.core import Callback
 from fastai.callback.progress import CSVLogger
 from fastai.callback.schedule import LRFinder, ParamScheduler
-from fastai.callback.tracker import TerminateOnNaNCallback
+from fastai.callback.tracker import EarlyStoppingCallback, ReduceLROnPlateau, TerminateOnNaNCallback, TrackerCallback
 from fastai.learner import CancelFitException, Learner
 
 from .. import remote, topology
@@ -93,6 +95,31 @@ def put_back(replaced: list[tuple[Callback, str]], event: str | None = None) -> 
     for cb, name in [pair for pair in replaced if event in (None, pair[1])]:
         vars(cb).pop(name, None)
         replaced.remove((cb, name))
+
+
+def _skipped_event() -> None:
+    """A tracker's event kept quiet (:func:`quiet_trackers`)."""
+
+
+def quiet_trackers(learn: Learner, replaced: list[tuple[Callback, str]], event: str, bookkeeping: bool = False) -> None:
+    """Keep the trackers' ``event`` quiet for this epoch or fit, added to ``replaced`` for :func:`put_back`.
+
+    For ``after_epoch``, an epoch a resume skips: the trackers acted on it in the run that saved it, and what they
+    did is in the restored state (the best model on disk, the reduced learning rate). With ``bookkeeping`` they
+    update what they track (the best value, the epochs without improvement), and do nothing else. For
+    ``after_fit``, a preempted fit, which is not the end of training: ``SaveModelCallback`` loading the best model
+    waits for the fit that ends it."""
+    for cb in learn.cbs:
+        if not (isinstance(cb, TrackerCallback) and cb.run):
+            continue
+        if bookkeeping:
+            TrackerCallback.after_epoch(cb)
+            if isinstance(cb, (EarlyStoppingCallback, ReduceLROnPlateau)):
+                cb.wait = 0 if cb.new_best else cb.wait + 1
+                if isinstance(cb, ReduceLROnPlateau) and cb.wait >= cb.patience:
+                    cb.wait = 0  # the reduction it made then is in the restored hypers
+        vars(cb)[event] = _skipped_event
+        replaced.append((cb, event))
 
 
 def quiet_csv_loggers(learn: Learner, quiet: bool = True) -> None:
