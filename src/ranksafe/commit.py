@@ -1,5 +1,5 @@
-"""Step directories that appear complete or not at all: the two commit protocols, the manifest, and reading a root
-without collectives.
+"""Step directories that appear complete or not at all: the two commit protocols, and the manifest that a step is
+verified against.
 
 A step directory holds the files of one checkpoint and ``MANIFEST.json`` (every file's size and CRC32), written
 last. How it becomes visible depends on where it lives:
