@@ -1,9 +1,9 @@
 """The step directories under one root: their names, which of them are committed, and what crashed saves left.
 
-Names only (``root/step_00000010``, the temporary ``root/.step_00000010.ranksafe-partial``), except where a name
-says it reads the file system. :func:`list_steps` reads a root without collectives (for ``ranksafe ls``, and for
-humans); :class:`StepDirs` is what a :class:`~ranksafe.CheckpointManager`'s writers list, recover and clean.
-:mod:`ranksafe.commit` holds how one step directory is committed.
+A step's names derive from its number with no file-system call (``root/step_00000010``, and its temporary
+``root/.step_00000010.ranksafe-partial``). :func:`list_steps` reads a root without collectives (for ``ranksafe ls``,
+and for humans); :class:`StepDirs` is what a :class:`~ranksafe.CheckpointManager`'s writers list, recover and
+clean. :mod:`ranksafe.commit` holds how one step directory is committed.
 """
 
 from __future__ import annotations
