@@ -169,7 +169,7 @@ def test_helper_thread_hashes_for_main_thread_saves_only_and_is_gone_after(tmp_p
 
 def test_large_saves_start_writeback_and_non_files_are_fine(tmp_path, monkeypatch):
     if sys.platform == "linux":
-        assert checkpoint_file._sync_file_range is not None
+        assert hasattr(os, "posix_fadvise")
     calls: list[tuple[int, int]] = []
     real = checkpoint_file._start_writeback
     record = lambda fd, offset: (calls.append((fd, offset)), real(fd, offset))  # noqa: E731

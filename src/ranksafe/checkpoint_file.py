@@ -10,7 +10,6 @@ silently as wrong values).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import io
 import os
 import pickle
@@ -41,31 +40,20 @@ _OVERLAP = 1 << 20  # writes at least this large are hashed in a helper thread w
 _WRITEBACK = 8 << 20  # ask the kernel to start writing back every this many bytes (Linux)
 
 
-def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
-    """libc's ``sync_file_range`` (Linux; Python has no binding), or None where there is none."""
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError, TypeError):  # no such symbol; no "current process" library (Windows)
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_sync_file_range = _load_sync_file_range()
-_SYNC_FILE_RANGE_WRITE = 2
-
-
 def _start_writeback(fd: int, offset: int) -> None:
     """Start writing back, without waiting, the pages written from ``offset`` on.
 
     Without it the kernel keeps a large new file in the page cache and the final ``fsync`` writes all of
     it, after the last byte; with it the disk works while torch serialises the rest, and ``fsync`` finds
-    little left. Only a hint: ``fsync`` at commit remains what makes the file durable, and an error here
-    (a file system that does not support it) changes nothing.
+    little left. ``posix_fadvise(POSIX_FADV_DONTNEED)`` does that on Linux (it starts the writeback of the
+    range's dirty pages without waiting), and drops from the page cache the pages already on disk: a checkpoint
+    just written is seldom read back soon, and its pages would push out the training data's. Only a hint:
+    ``fsync`` at commit remains what makes the file durable, and where the call is missing or refused nothing
+    changes.
     """
-    if _sync_file_range is not None:
-        _sync_file_range(fd, offset, 0, _SYNC_FILE_RANGE_WRITE)
+    if hasattr(os, "posix_fadvise"):
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(fd, offset, 0, os.POSIX_FADV_DONTNEED)
 
 
 class ChecksummingWriter:
