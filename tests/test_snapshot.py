@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import collections
+import gc
 import io
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -590,6 +592,21 @@ def test_one_object_under_two_keys_is_one_object_in_the_snapshot():
     assert snap["score"] is snap["w"] and torch.equal(snap["w"], w)
     size, back = _saved(snap)
     assert size == len(_file({"w": w, "score": w})) and back["score"].data_ptr() == back["w"].data_ptr()
+
+
+def test_a_captured_snapshot_keeps_no_tensor_of_the_state_alive():
+    """Tensors made for one save (a gathered full state, an EMA copy) are freed once copied, while the snapshot
+    waits for its writer; one object under two keys is still one object when it is assembled."""
+    staging = StagingBuffers()
+    w, extra = torch.randn(100), torch.randn(3).requires_grad_()
+    refs = [weakref.ref(w), weakref.ref(extra)]
+    captured = staging.capture({"w": w, "again": w, "extra": extra, "meta": {"step": 1}})
+    values = w.clone()
+    del w, extra
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
+    snap = captured.assemble()
+    assert snap["again"] is snap["w"] and torch.equal(snap["w"], values) and snap["extra"].requires_grad
 
 
 # ------------------------------------------------------------------------------------------------------ CUDA

@@ -110,6 +110,7 @@ class Flattened:
         self._clothes: dict[int, Clothes] = {}  # by slot: how a staged copy is dressed, read now, not at assembly
         self._containers: set[int] = set()  # ids of the containers this walk made: the ones assembly fills in
         self._memo: dict[int, Any] = {}  # deepcopy's: an object met twice is copied once
+        self._alias_of: dict[int, int] | None = None  # set by let_go, from the originals
         self.skeleton = self.walk(state)
 
     def walk(self, obj: Any) -> Any:
@@ -179,13 +180,21 @@ class Flattened:
         first: dict[int, int] = {}
         return {i: first[x] for i, x in enumerate(ids) if first.setdefault(x, i) != i}
 
+    def let_go(self) -> None:
+        """Once the sources are copied: drop every reference to the live state (the sources, the originals, and
+        deepcopy's memo, which keeps alive what it copied), so that a snapshot waiting for its writer keeps no
+        tensor of training alive. Which slots repeat an earlier one is worked out now, from the originals."""
+        self._alias_of = self._aliases()
+        self.sources, self.originals, self._memo = [], [], {}
+
     def assemble(self, staged: list[torch.Tensor]) -> Any:
         """The skeleton holding ``staged`` (one copy per source, in slot order), dressed as the originals were.
         Once: the skeleton is filled in place."""
         values = list(staged)
         for i, clothes in self._clothes.items():
             values[i] = clothes.dress(values[i])
-        for i, first in self._aliases().items():
+        aliases = self._aliases() if self._alias_of is None else self._alias_of
+        for i, first in aliases.items():
             values[i] = values[first]
         return _fill(self.skeleton, values, self._containers)
 

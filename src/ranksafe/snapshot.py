@@ -151,6 +151,7 @@ class StagingBuffers:
                 torch._foreach_copy_(layout.host_staged, [sources[i] for i in layout.host])
         for device in layout.cuda:  # one synchronisation per device for all its non-blocking copies
             torch.cuda.synchronize(device)
+        flat.let_go()
         return Captured(flat, layout.staged)
 
     def take(self, state: Any) -> Any:
