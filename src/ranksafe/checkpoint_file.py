@@ -45,9 +45,9 @@ def _start_writeback(fd: int, offset: int) -> None:
 
     Without it the kernel keeps a large new file in the page cache and the final ``fsync`` writes all of
     it, after the last byte; with it the disk works while torch serialises the rest, and ``fsync`` finds
-    little left. ``posix_fadvise(POSIX_FADV_DONTNEED)`` does that on Linux (it starts the writeback of the
-    range's dirty pages without waiting), and drops from the page cache the pages already on disk: a checkpoint
-    just written is seldom read back soon, and its pages would push out the training data's. Only a hint:
+    little left. ``posix_fadvise(POSIX_FADV_DONTNEED)`` does that on Linux: it starts the writeback of the
+    range's dirty pages without waiting. (It also drops the range's clean pages; the range begins near the newest
+    bytes, which are still dirty, so in practice it drops nothing.) Only a hint:
     ``fsync`` at commit remains what makes the file durable, and where the call is missing or refused nothing
     changes.
     """

@@ -1,9 +1,10 @@
 """Collectives that never hang and never let ranks diverge: barrier, agree, broadcast, together.
 
-Every function here is a *collective*: all ranks call it, in the same order. Each is one exchange over the
-process group's store (:mod:`ranksafe.exchange`): a timeout that names the ranks that never arrived, a
-:class:`CollectiveMismatch` when ranks reach different collectives, and one outcome for every rank. In a single
-process each function is a local no-op with the same return value.
+Every function here is a *collective*: all ranks call it, in the same order. Each runs over exchanges on the
+process group's store (:mod:`ranksafe.exchange`; one each, except ``main_first`` and the block of ``together``): a
+timeout that names the ranks that never arrived, a :class:`~ranksafe.CollectiveMismatch` when ranks reach
+different collectives, and one outcome for every rank. In a single process each function is a local no-op with
+the same return value.
 
 :func:`abort` and the exit hook cover the ranks that fail, or leave, outside any collective: the others raise at
 their next collective within seconds instead of waiting for the timeout.
@@ -67,7 +68,7 @@ def exchange_outcome(
 
 
 def barrier(name: str = "", timeout: float | None = None, what: str | None = None) -> None:
-    """Wait until every rank arrives; raise :class:`BarrierTimeout` naming the missing ranks otherwise."""
+    """Wait until every rank arrives; raise :class:`~ranksafe.BarrierTimeout` naming the missing ranks otherwise."""
     exchange(f"barrier:{name}", None, lambda _: None, timeout, what)
 
 

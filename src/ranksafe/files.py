@@ -1,4 +1,4 @@
-"""Local file primitives: the atomic commit of one file, and the directories it goes in. No collectives here.
+"""File primitives: the atomic commit of one file, and the directories it goes in. No collectives here.
 
 The commit protocol (:class:`AtomicFile`) is the one place that decides how a file becomes visible:
 

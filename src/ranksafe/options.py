@@ -1,4 +1,4 @@
-"""Argument checks shared by the framework callbacks (``ranksafe.lightning``, ``ranksafe.fastai``).
+"""Argument checks shared by the framework callbacks (``ranksafe.lightning``, ``ranksafe.fastai``) and the core.
 
 Every rank makes its callback alike, so an argument refused when the callback is made fails every rank at once,
 instead of at the first save, or never (an option that needs a directory to save into, given none, does nothing).

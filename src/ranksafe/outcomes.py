@@ -65,7 +65,7 @@ Outcome = Agreed | TimedOut | Diverged | Failed
 
 
 class Wait(enum.Enum):
-    """How a wait for keys in the store ended (:func:`_wait_for`)."""
+    """How a wait for keys in the store ended (``exchange._wait_for``)."""
 
     ARRIVED = "every key awaited is there"
     DECIDED = "another rank wrote the outcome first"

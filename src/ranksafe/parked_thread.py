@@ -50,7 +50,7 @@ class ParkedThread:
         self._thread: list[threading.Thread] = []  # zero or one; a list, shared with the finalizer
         self._guard = threading.Lock()  # start/hand against stop: see _stop
         finalizer = weakref.finalize(self, _stop, self._jobs, self._thread, self._guard, False)
-        finalizer.atexit = False  # at exit, _wait_at_exit joins it instead
+        finalizer.atexit = False  # at exit, async_save._wait_at_exit joins it instead
 
     def start(self) -> None:
         """Start the thread unless it runs (waiting until it does, so the first job does not pay for it)."""

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 
 from . import topology
 from .notice import StepNotice
+from .options import positive_int
 from .preemption import DEFAULT_SIGNALS, Signals
 
 
@@ -46,9 +47,7 @@ class SaveSchedule:
         name: str = "checkpoint",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if every_steps is not None and (isinstance(every_steps, bool) or not isinstance(every_steps, int)):
-            raise ValueError(f"every_steps must be a positive int or None, not {every_steps!r}")
-        _positive("every_steps", every_steps)
+        positive_int("every_steps", every_steps)
         _positive("every_seconds", every_seconds)
         self.every_steps, self.every_seconds, self.clock = every_steps, every_seconds, clock
         chosen = DEFAULT_SIGNALS if preemption is True else () if preemption is False else tuple(preemption)
