@@ -196,10 +196,6 @@ class RankSafe(Callback):
             raise ValueError("latest_checkpoint() needs RankSafe(checkpoint_dir=...)")
         return self.steps.latest_checkpoint()
 
-    @property
-    def _async_manager(self) -> bool:
-        return self.manager is not None and self.manager.async_save
-
     # -- hooks ----------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Runs on every rank once the process group exists, before any checkpoint is loaded or saved."""
@@ -216,7 +212,7 @@ class RankSafe(Callback):
         Without, a warning when Lightning's SLURM requeue handler would save with other ranks."""
         if self.steps is not None and self.steps.handles_signals:
             self.steps.take_over_signals(trainer)
-            wrap(compat.signal_connector(trainer), "register_signal_handlers", self._register_signals)
+            wrap(compat.signal_connector(trainer), "register_signal_handlers", self._install_signals)
         elif SlurmRequeue.of(trainer) is not None and _shared() and topology.is_main():
             warnings.warn(UNAGREED_REQUEUE, stacklevel=3)
 
@@ -225,9 +221,9 @@ class RankSafe(Callback):
         if shared:
             wrap(strategy, "save_checkpoint", functools.partial(self._together, "Trainer.save_checkpoint"))
             wrap(strategy, "remove_checkpoint", functools.partial(self._together, "Trainer.remove_checkpoint"))
-        if shared or self.manager is not None:
+        if shared or self.steps is not None:
             wrap(strategy, "load_checkpoint", functools.partial(self._load, trainer))
-        if self._io is not None or self._async_manager:
+        if self._locks():
             wrap(strategy, "optimizer_step", self._holding_locks)
         if shared or self.resume or self.overwrite:
             wrap(compat.checkpoint_connector(trainer), "resume_start", functools.partial(self._resume_start, trainer))
@@ -262,15 +258,15 @@ class RankSafe(Callback):
                         raise error_naming_target(e, "cannot write checkpoints to", dirpath) from e
                     if not remote.is_url(dirpath):  # temporaries of writers that crashed go before new ones appear
                         clean_orphans(dirpath)
-        if self.manager is not None:
-            self.manager.warmup()
+        if self.steps is not None:
+            self.steps.start_fit()
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The first step boundary is the end of the first optimizer step, and ``train_time_interval`` counts from
         now (not from this callback's construction, before the processes, the data and the model were set up)."""
         self._polled_step = trainer.global_step
-        if self.manager is not None:
-            self.manager.schedule.saved()
+        if self.steps is not None:
+            self.steps.start_training()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         """The end of an optimizer step (:meth:`_end_step`): here when no monitoring callback runs after this one,
@@ -290,15 +286,15 @@ class RankSafe(Callback):
             if self._io is not trainer.strategy.checkpoint_io:  # inside a wrapper, which does not pass teardown on
                 self._io.teardown()
             self._io.check()
-        if self._async_manager:
-            self.manager.close()  # type: ignore[union-attr]  # waits for the last step's commit, then checks
+        if self.steps is not None:
+            self.steps.end_fit()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """A rank failing alone stops the others at their current or next ranksafe collective, within seconds.
         Lightning skips ``teardown`` after an exception: the wrappers go here."""
         abort(exception)
-        if self.manager is not None:
-            self.manager.shutdown()  # a step being committed in the background is not lost; no thread stays
+        if self.steps is not None:
+            self.steps.abandon()
         self._undo(trainer)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -309,8 +305,8 @@ class RankSafe(Callback):
         connectors = (compat.checkpoint_connector(trainer), compat.signal_connector(trainer))
         for obj in (trainer.strategy, *connectors, *trainer.callbacks):
             unwrap(obj)
-        if self.manager is not None:
-            self.manager.schedule.uninstall()
+        if self.steps is not None:
+            self.steps.teardown()
 
     def _end_step(self, trainer: pl.Trainer) -> None:
         """Once per optimizer step on every rank, not per micro-batch (only after an optimizer step are the ranks'
@@ -321,8 +317,8 @@ class RankSafe(Callback):
             return
         self._polled_step = step
         savers = [self._io.saver] if self._io is not None else []
-        if self._async_manager:
-            savers.append(self.manager.saver)  # type: ignore[union-attr]
+        if self.steps is not None and self.steps.saver is not None:
+            savers.append(self.steps.saver)
         if savers:
             poll_savers(savers)
         if self.steps is not None:
@@ -383,13 +379,15 @@ class RankSafe(Callback):
             elif topology.is_main():
                 warnings.warn(f"RankSafe(overwrite=True) keeps {dirpath}: the run resumes", stacklevel=3)
 
+    def _locks(self) -> list[StateDictLock]:
+        """The locks whose snapshots run in the background: the plugin's and the manager's, with ``async_save``."""
+        locks = [self._io.lock] if self._io is not None else []
+        return locks + ([self.lock] if self.steps is not None and self.steps.saver is not None else [])
+
     def _holding_locks(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """The optimizer step, holding the write side of the snapshot locks: no snapshot sees weights mid-update."""
-        locks = [self._io.lock] if self._io is not None else []
-        if self._async_manager:
-            locks.append(self.lock)
         with contextlib.ExitStack() as held:
-            for lock in locks:
+            for lock in self._locks():
                 held.enter_context(lock.write())
             return original(*args, **kwargs)
 
@@ -420,7 +418,8 @@ class RankSafe(Callback):
         original(trainer, pl_module)
         self._end_epoch(trainer)
 
-    def _register_signals(self, original: Callable[..., Any]) -> None:
+    def _install_signals(self, original: Callable[..., Any]) -> None:
         """The signal connector's ``register_signal_handlers``, for a fit with preemption: the manager's handlers
-        instead of Lightning's (which ``original`` would install)."""
-        self.manager.schedule.install()  # type: ignore[union-attr]
+        instead of Lightning's (which ``original`` would install). A method of RankSafe, not of its steps: what is
+        installed on Lightning's objects must pickle, and RankSafe pickles without them."""
+        self.steps.install_signals()  # type: ignore[union-attr]

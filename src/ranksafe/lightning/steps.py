@@ -15,6 +15,7 @@ from typing import Any
 import lightning.pytorch as pl
 
 from .. import remote
+from ..async_save import AsyncSaver
 from ..checkpoint import STATE, CheckpointManager
 from ..checkpoint_file import load_file
 from ..collectives import agree, together
@@ -44,14 +45,25 @@ class TrainerSteps:
         """Whether preemption is on: the manager's signal handlers replace Lightning's during ``fit``."""
         return self.manager.schedule.signals is not None
 
+    @property
+    def saver(self) -> AsyncSaver | None:
+        """The manager's background saver (``async_save``), polled with the plugin's at every step; else None."""
+        return self.manager.saver
+
     def latest_checkpoint(self) -> str | None:
         """The file of the newest step committed on every node (its directory for a step of sharded state), or
         None; collective."""
         step = self.manager.latest()
         if step is None:
             return None
+        step_dir = self.manager.step_dir(step)
+        return step_dir if self._sharded(step) else os.path.join(step_dir, STATE)
+
+    def _sharded(self, step: int) -> bool:
+        """Whether ``step`` holds sharded state (no ``state.pt``), decided alike on every rank: a file one rank does
+        not see yet is there for all. Collective."""
         state = os.path.join(self.manager.step_dir(step), STATE)
-        return state if remote.exists(state) else self.manager.step_dir(step)
+        return not agree(remote.exists(state), "any", name="plain step", timeout=self.manager.timeout)
 
     # -- a fit -----------------------------------------------------------------------------------------------
 
@@ -63,6 +75,32 @@ class TrainerSteps:
         self._requeue = SlurmRequeue.of(trainer)
         if self._requeue is not None:
             self._requeue.check_handled(self.manager.schedule.signals.signals)  # type: ignore[union-attr]
+
+    def install_signals(self) -> None:
+        """In place of Lightning's ``register_signal_handlers`` during a fit with preemption: the manager's."""
+        self.manager.schedule.install()
+
+    def start_fit(self) -> None:
+        """At ``on_fit_start``, on every rank: fail now if the root cannot be written (collective)."""
+        self.manager.warmup()
+
+    def start_training(self) -> None:
+        """At ``on_train_start``: ``train_time_interval`` counts from now, not from when the callback was made."""
+        self.manager.schedule.saved()
+
+    def end_fit(self) -> None:
+        """At ``on_fit_end``, on every rank: with ``async_save``, wait for the last commit and raise its failure
+        everywhere (collective)."""
+        if self.manager.async_save:
+            self.manager.close()
+
+    def abandon(self) -> None:
+        """After an exception: a step being committed in the background is not lost, and no thread stays. Local."""
+        self.manager.shutdown()
+
+    def teardown(self) -> None:
+        """Lightning's signal handlers are back (installed again by the next fit's connector). Local."""
+        self.manager.schedule.uninstall()
 
     def end_step(self, trainer: pl.Trainer) -> None:
         """At the end of an optimizer step, on every rank: save this step if the manager says so, and stop after a
@@ -117,11 +155,8 @@ class TrainerSteps:
     def load(self, trainer: pl.Trainer, step: int, checkpoint_path: Any, weights_only: bool | None) -> Any:
         """Step ``step``, named by ``checkpoint_path`` (its ``state.pt`` or its directory), verified against its
         manifest on every node; what the strategy's ``load_checkpoint`` returns. Collective."""
-        step_dir = self.manager.step_dir(step)
-        if remote.canonical(checkpoint_path) == step_dir:  # a step named by its directory: sharded, or not
-            plain = agree(remote.exists(os.path.join(step_dir, STATE)), "any", name="plain step")
-            if not plain:
-                return self._load_sharded(trainer, step, weights_only)
+        if remote.canonical(checkpoint_path) == self.manager.step_dir(step) and self._sharded(step):
+            return self._load_sharded(trainer, step, weights_only)  # named by its directory, as latest_checkpoint does
         return self.manager.load(step, weights_only=weights_only)
 
     def _load_sharded(self, trainer: pl.Trainer, step: int, weights_only: bool | None) -> dict[str, Any]:
