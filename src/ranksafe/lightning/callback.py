@@ -26,12 +26,12 @@ from ..checkpoint_file import probe_write
 from ..collectives import abort, broadcast, checked_timeout, together
 from ..files import atomic_link, clean_orphans
 from ..lock import StateDictLock
-from ..monitor import MonitorAgreement, MonitorOp
 from ..options import needs_checkpoint_dir, positive_int
 from ..saving import error_naming_target, prepare_dir
 from ..storage import Storage
 from . import compat
 from .io import RankSafeCheckpointIO
+from .monitor import MonitorAgreement, MonitorOp
 from .preemption import UNAGREED_REQUEUE, SlurmRequeue
 from .steps import TrainerSteps
 from .wrapped import unwrap, wrap

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from . import topology
-from .choice import Choice
-from .collectives import all_gather
+from .. import topology
+from ..choice import Choice
+from ..collectives import all_gather
 
 
 class MonitorOp(Choice):
