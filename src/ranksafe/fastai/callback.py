@@ -65,7 +65,8 @@ from .training_state import (
 class _Fit:
     """What RankSafe holds for the fit in progress: made at the fit's ``before_fit``, dropped when it is over."""
 
-    replaced: list[tuple[Callback, str]]  # other callbacks' events replaced for this fit (guarded, or kept quiet)
+    guarded: list[tuple[Callback, str]]  # other callbacks' events made rank-safe for this fit (guards.guard)
+    quiet: list[tuple[Callback, str]] = field(default_factory=list)  # trackers' events kept quiet (quiet_trackers)
     epoch: int = 0  # the fit's epoch: a validate pass inside the fit sets learn.epoch to 0
     # checkpointing: a training fit with checkpoint_dir (not lr_find)
     checkpointing: bool = False
@@ -234,7 +235,7 @@ class RankSafe(Callback):
         several = topology.world_size() >= 2
         # one process: only lr_find's temporary model needs a hand, where learn.path is a URL (fastai makes local dirs)
         kinds = (TerminateOnNaNCallback, LRFinder) if several else (LRFinder,) if remote.is_url(learn.path) else ()
-        self._fit = _Fit(replaced=guard(learn.cbs, kinds))
+        self._fit = _Fit(guarded=guard(learn.cbs, kinds))
         self._exported_ranks |= prepare_distributed()  # a process group made after this callback and its Learner
         if several:
             self._refuse_training_alone()
@@ -333,7 +334,7 @@ class RankSafe(Callback):
         if fit is None or _validating(self.learn):
             return
         fit.epoch = self.epoch
-        put_back(fit.replaced, "after_epoch")
+        put_back(fit.quiet, "after_epoch")
         if fit.resumption is not None and fit.resumption.epoch == self.epoch:
             skip_done_batches(self.learn, fit.resumption)
         recorder = getattr(self.learn, "recorder", None)
@@ -420,7 +421,7 @@ class RankSafe(Callback):
         self._release()
         end_resumed_epoch(self.learn)  # an epoch cancelled before its training pass
         if checkpointing and not fit.trained and self.epoch != fit.tracked_epoch:
-            quiet_trackers(self.learn, fit.replaced, "after_epoch", bookkeeping=self.epoch < len(fit.history))
+            quiet_trackers(self.learn, fit.quiet, "after_epoch", bookkeeping=self.epoch < len(fit.history))
         self._agree_on_record()
         if checkpointing and fit.trained and (self.epoch + 1) % self.every == 0:
             self._save(fit, inside_epoch=False)
@@ -454,13 +455,13 @@ class RankSafe(Callback):
             self.learn.epoch = fit.epoch  # a validate pass inside the fit ended: TrainEvalCallback set it to 0
         elif fit is not None and fit.checkpointing:
             if self._preempted:
-                quiet_trackers(self.learn, fit.replaced, "after_fit")
+                quiet_trackers(self.learn, fit.quiet, "after_fit")
             self._stop_checkpointing(fit, failed=False)
 
     def _stop_checkpointing(self, fit: _Fit, failed: bool) -> None:
         """Undo what checkpointing set up; wait for the write in flight, or after a failure just stop the writer."""
         fit.checkpointing = False
-        put_back(fit.replaced, "after_epoch")
+        put_back(fit.quiet, "after_epoch")  # a quiet after_fit stays until the trackers' after_fit is over
         self._release()
         end_resumed_epoch(self.learn)
         for cb in (fit.skip, fit.boundary):
@@ -479,7 +480,8 @@ class RankSafe(Callback):
         fit, self._fit = self._fit, None
         if fit is None:
             return
-        put_back(fit.replaced)
+        put_back(fit.guarded)
+        put_back(fit.quiet)
         if exc is not None:
             quiet_csv_loggers(self.learn, quiet=False)
             if fit.checkpointing:

@@ -101,8 +101,8 @@ def _skipped_event() -> None:
     """A tracker's event kept quiet (:func:`quiet_trackers`)."""
 
 
-def quiet_trackers(learn: Learner, replaced: list[tuple[Callback, str]], event: str, bookkeeping: bool = False) -> None:
-    """Keep the trackers' ``event`` quiet for this epoch or fit, added to ``replaced`` for :func:`put_back`.
+def quiet_trackers(learn: Learner, quiet: list[tuple[Callback, str]], event: str, bookkeeping: bool = False) -> None:
+    """Keep the trackers' ``event`` quiet for this epoch or fit, added to ``quiet`` for :func:`put_back`.
 
     For ``after_epoch``, an epoch a resume skips: the trackers acted on it in the run that saved it, and what they
     did is in the restored state (the best model on disk, the reduced learning rate). With ``bookkeeping`` they
@@ -119,7 +119,7 @@ def quiet_trackers(learn: Learner, replaced: list[tuple[Callback, str]], event: 
                 if isinstance(cb, ReduceLROnPlateau) and cb.wait >= cb.patience:
                     cb.wait = 0  # the reduction it made then is in the restored hypers
         vars(cb)[event] = _skipped_event
-        replaced.append((cb, event))
+        quiet.append((cb, event))
 
 
 def quiet_csv_loggers(learn: Learner, quiet: bool = True) -> None:
