@@ -24,6 +24,7 @@ import ranksafe
 from ranksafe import cli, steps
 from ranksafe import exchange as protocol
 from ranksafe.checkpoint import AtomicDir, CheckpointManager, list_steps, verify_step
+from ranksafe.steps import StepDirs
 from tests.ranks import run_ranks
 from tests.test_storage import as_node, node_disk
 
@@ -272,6 +273,22 @@ def test_list_steps_reports_committed_incomplete_and_corrupt(tmp_path):
     assert mgr.latest() == 4  # latest() lists cheaply; load() verifies the contents
     with pytest.raises(ranksafe.CorruptCheckpoint, match=r"step_00000002/state\.pt"):
         mgr.load(2)
+
+
+def test_a_step_name_is_what_the_manager_makes_and_a_longer_prefix_is_another_managers(tmp_path):
+    dirs = StepDirs(str(tmp_path), "step_")
+    assert dirs.parse("step_00000007") == (7, "")
+    assert dirs.parse(".step_00000007.ranksafe-partial") == (7, AtomicDir.PARTIAL)
+    assert dirs.parse(".step_123456789.ranksafe-old") == (123456789, AtomicDir.OLD)  # past 8 digits
+    others = ["step_7", "step_best_00000007", ".step_00000007", "step_00000007.ranksafe-partial", "step_00000007x"]
+    assert [dirs.parse(name) for name in others] == [None] * len(others)
+    for name in ("step_7", "step_best_00000001", ".step_00000002.ranksafe-old", "step_00000003"):
+        os.mkdir(tmp_path / name)
+    assert [s.step for s in list_steps(tmp_path)] == [3]  # a step set aside is not one more step
+    file_root = tmp_path / "file"
+    file_root.write_text("not a root")
+    with pytest.raises(NotADirectoryError):  # not an empty root: a manager there must not start afresh
+        StepDirs(str(file_root), "step_").committed()
 
 
 def test_saving_a_step_again_replaces_it_and_a_failed_block_commits_nothing(tmp_path):

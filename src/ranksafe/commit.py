@@ -308,10 +308,11 @@ def verify_step(
 
 
 def names(directory: Place) -> list[str]:
-    """The names in ``directory``, sorted; none when it does not exist."""
+    """The names in ``directory``, sorted; none when it does not exist (a file in its place raises
+    ``NotADirectoryError``: a root that cannot hold steps is not an empty one)."""
     if isinstance(directory, Remote):
         return directory.names()
     try:
         return sorted(os.listdir(directory))
-    except (FileNotFoundError, NotADirectoryError):
+    except FileNotFoundError:
         return []

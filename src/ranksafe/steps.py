@@ -13,7 +13,7 @@ import os
 import re
 import shutil
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from .choice import Choice
 from .commit import (
@@ -55,12 +55,6 @@ class StepInfo:
     error: str | None = None
 
 
-def step_pattern(prefix: str) -> re.Pattern[str]:
-    """Names of step directories: ``prefix`` and digits, or the hidden temporary of one (``.step_7.ranksafe-partial``).
-    Group 1: the hidden dot; group 2: the step; group 3: the temporary's suffix."""
-    return re.compile(rf"^(\.)?{re.escape(prefix)}(\d+)({re.escape(AtomicDir.PARTIAL)})?$")
-
-
 def list_steps(
     root: str | os.PathLike, prefix: str = "step_", deep: bool = False, storage_options: dict[str, Any] | None = None
 ) -> list[StepInfo]:
@@ -69,15 +63,14 @@ def list_steps(
     A step that disappears while it is being looked at (retention, a commit renaming it) is left out. ``root``
     may be a URL of remote storage.
     """
-    base = resolve(root, storage_options)
-    pattern = step_pattern(prefix)
+    dirs = StepDirs(resolve(root, storage_options), prefix)
     out = []
-    for name in names(base):
-        m = pattern.match(name)
-        if not m or bool(m.group(1)) != bool(m.group(3)):
+    for name in names(dirs.base):
+        parsed = dirs.parse(name)
+        if parsed is None or parsed.suffix == AtomicDir.OLD:  # a committed step set aside: not one more step
             continue
         with contextlib.suppress(FileNotFoundError):
-            out.append(_step_info(join(base, name), int(m.group(2)), bool(m.group(3)), deep))
+            out.append(_step_info(join(dirs.base, name), parsed.step, parsed.suffix == AtomicDir.PARTIAL, deep))
     return sorted(out, key=lambda s: (s.step, s.status is not StepStatus.COMMITTED))
 
 
@@ -113,70 +106,74 @@ def check_step(step: Any) -> int:
     return step
 
 
+class StepName(NamedTuple):
+    """A name under a root that belongs to a step: its directory (``suffix`` ""), or the hidden temporary
+    (``AtomicDir.PARTIAL``) or set-aside copy (``AtomicDir.OLD``) of one."""
+
+    step: int
+    suffix: str
+
+
 class StepDirs:
     """The step directories of one prefix under ``base``: ``base/{prefix}{step:08d}``.
 
-    :meth:`place` and :meth:`step_of` make no file-system call; :meth:`committed` and :meth:`clean_debris` do, and
-    run on writers only.
+    :meth:`place`, :meth:`step_of` and :meth:`parse` make no file-system call; :meth:`committed` and
+    :meth:`clean_debris` do, and run on writers only.
     """
 
     def __init__(self, base: Place, prefix: str):
         check_name(prefix + "0", "step prefix")
         self.base, self.prefix = base, prefix
-        self._pattern = re.compile(rf"^{re.escape(prefix)}(\d+)$")
-        # the debris of these steps only: another manager's prefix may extend this one (step_, step_best_)
-        ends = "|".join(map(re.escape, (AtomicDir.PARTIAL, AtomicDir.OLD)))
-        self._debris = re.compile(rf"^\.({re.escape(prefix)}\d+)(?:{ends})$")
+        suffixes = "|".join(map(re.escape, (AtomicDir.PARTIAL, AtomicDir.OLD)))
+        self._name = re.compile(rf"^(\.)?{re.escape(prefix)}(\d+)({suffixes})?$")
 
     def place(self, step: int) -> Place:
         """Where ``step``'s committed directory is (or will be)."""
         return join(self.base, f"{self.prefix}{check_step(step):08d}")
 
+    def parse(self, name: str) -> StepName | None:
+        """What ``name`` is among the names these steps' directories take; None for any other name (another
+        manager's prefix may extend this one: ``step_`` and ``step_best_``)."""
+        found = self._name.match(name)
+        if found is None or bool(found[1]) != bool(found[3]) or found[2] != f"{int(found[2]):08d}":
+            return None  # hidden exactly when it has a suffix, and numbered as place() numbers
+        return StepName(int(found[2]), found[3] or "")
+
     def step_of(self, place: str) -> int | None:
         """The step whose directory ``place`` (a canonical path or URL) is; None for any other place."""
-        found = self._pattern.match(os.path.basename(place))
-        if found is not None and name_of(self.place(int(found[1]))) == place:
-            return int(found[1])
+        parsed = self.parse(os.path.basename(place))
+        if parsed is not None and not parsed.suffix and name_of(self.place(parsed.step)) == place:
+            return parsed.step
         return None
 
     def committed(self) -> list[int]:
         """Steps committed under ``base``, oldest first, with any committed step a crash left aside put back first
         (:meth:`AtomicDir.recover`)."""
-        listed = self._names()
-        recovered = False
-        for m in filter(None, map(self._debris.match, listed)):
-            recovered |= step_commit(join(self.base, m.group(1))).recover()
-        if recovered:
-            listed = self._names()
-        steps = (int(m.group(1)) for m in map(self._pattern.match, listed) if m)
-        return sorted(s for s in steps if self._has_manifest(s))
+        listed = self._parsed()
+        recovered = [step_commit(self.place(p.step)).recover() for p in listed if p.suffix]
+        if any(recovered):
+            listed = self._parsed()
+        return sorted(p.step for p in listed if not p.suffix and self._has_manifest(p.step))
 
     def clean_debris(self) -> None:
         """Remove what crashed saves and deletions of these steps left, once a committed step among it is put back
         (:meth:`AtomicDir.recover`). On remote storage that is every step without its manifest."""
-        listed = self._names()
-        if isinstance(self.base, Remote):
-            for m in filter(None, map(self._pattern.match, listed)):
-                if not self._has_manifest(int(m.group(1))):
-                    self.place(int(m.group(1))).remove()
-            return
-        for name in listed:
-            m = self._debris.match(name)
-            if m is None:
+        on_remote = isinstance(self.base, Remote)
+        for name in names(self.base):
+            parsed = self.parse(name)
+            if parsed is None:
                 continue
-            AtomicDir(os.path.join(self.base, m.group(1))).recover()
-            path = os.path.join(self.base, name)
-            if os.path.lexists(path):  # not the copy recover() just put back
-                shutil.rmtree(path, ignore_errors=True)
+            if on_remote and not parsed.suffix and not self._has_manifest(parsed.step):
+                self.place(parsed.step).remove()
+            elif not on_remote and parsed.suffix:
+                AtomicDir(self.place(parsed.step)).recover()
+                debris = os.path.join(self.base, name)
+                if os.path.lexists(debris):  # not the copy recover() just put back
+                    shutil.rmtree(debris, ignore_errors=True)
 
-    def _names(self) -> list[str]:
-        """What ``base`` holds; nothing when it does not exist yet (a base that cannot be listed raises)."""
-        if isinstance(self.base, Remote):
-            return names(self.base)
-        try:
-            return os.listdir(self.base)
-        except FileNotFoundError:
-            return []
+    def _parsed(self) -> list[StepName]:
+        """The names of these steps in ``base`` (a base that cannot be listed raises; one not made yet holds none)."""
+        return [p for p in map(self.parse, names(self.base)) if p is not None]
 
     def _has_manifest(self, step: int) -> bool:
         return _exists(join(self.place(step), MANIFEST))
