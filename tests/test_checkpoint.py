@@ -287,8 +287,8 @@ def test_a_step_name_is_what_the_manager_makes_and_a_longer_prefix_is_another_ma
     assert [s.step for s in list_steps(tmp_path)] == [3]  # a step set aside is not one more step
     file_root = tmp_path / "file"
     file_root.write_text("not a root")
-    with pytest.raises(NotADirectoryError):  # not an empty root: a manager there must not start afresh
-        StepDirs(str(file_root), "step_").committed()
+    with pytest.raises(NotADirectoryError):  # not an empty root: a listing must not say "no steps"
+        list_steps(file_root)
 
 
 def test_saving_a_step_again_replaces_it_and_a_failed_block_commits_nothing(tmp_path):

@@ -308,8 +308,9 @@ def verify_step(
 
 
 def names(directory: Place) -> list[str]:
-    """The names in ``directory``, sorted; none when it does not exist (a file in its place raises
-    ``NotADirectoryError``: a root that cannot hold steps is not an empty one)."""
+    """The names in ``directory``, sorted; none when it does not exist. A local file in its place raises
+    ``NotADirectoryError``: a root that cannot hold steps is not an empty one. (An object store may hold an object
+    and a prefix of one name: there only the prefix counts.)"""
     if isinstance(directory, Remote):
         return directory.names()
     try:

@@ -60,8 +60,9 @@ def list_steps(
 ) -> list[StepInfo]:
     """Every step directory under ``root``, oldest first, as committed, incomplete or corrupt. No collectives.
 
-    A step that disappears while it is being looked at (retention, a commit renaming it) is left out. ``root``
-    may be a URL of remote storage.
+    A step that disappears while it is being looked at (retention, a commit renaming it) is left out, as is any
+    name a manager with this ``prefix`` would not make (:meth:`StepDirs.parse`). ``root`` may be a URL of remote
+    storage; a local file in its place raises ``NotADirectoryError``.
     """
     dirs = StepDirs(resolve(root, storage_options), prefix)
     out = []
@@ -111,7 +112,7 @@ class StepName(NamedTuple):
     (``AtomicDir.PARTIAL``) or set-aside copy (``AtomicDir.OLD``) of one."""
 
     step: int
-    suffix: str
+    suffix: str  # "" for the step's directory itself
 
 
 class StepDirs:
@@ -132,8 +133,8 @@ class StepDirs:
         return join(self.base, f"{self.prefix}{check_step(step):08d}")
 
     def parse(self, name: str) -> StepName | None:
-        """What ``name`` is among the names these steps' directories take; None for any other name (another
-        manager's prefix may extend this one: ``step_`` and ``step_best_``)."""
+        """What ``name`` is among the names these steps' directories take; None for any other name, such as those of
+        a manager whose prefix extends this one with a non-digit (``step_`` and ``step_best_``)."""
         found = self._name.match(name)
         if found is None or bool(found[1]) != bool(found[3]) or found[2] != f"{int(found[2]):08d}":
             return None  # hidden exactly when it has a suffix, and numbered as place() numbers
@@ -158,21 +159,21 @@ class StepDirs:
     def clean_debris(self) -> None:
         """Remove what crashed saves and deletions of these steps left, once a committed step among it is put back
         (:meth:`AtomicDir.recover`). On remote storage that is every step without its manifest."""
-        on_remote = isinstance(self.base, Remote)
+        if isinstance(self.base, Remote):
+            for parsed in self._parsed():
+                if not parsed.suffix and not self._has_manifest(parsed.step):
+                    self.place(parsed.step).remove()
+            return
         for name in names(self.base):
             parsed = self.parse(name)
-            if parsed is None:
-                continue
-            if on_remote and not parsed.suffix and not self._has_manifest(parsed.step):
-                self.place(parsed.step).remove()
-            elif not on_remote and parsed.suffix:
+            if parsed is not None and parsed.suffix:
                 AtomicDir(self.place(parsed.step)).recover()
                 debris = os.path.join(self.base, name)
                 if os.path.lexists(debris):  # not the copy recover() just put back
                     shutil.rmtree(debris, ignore_errors=True)
 
     def _parsed(self) -> list[StepName]:
-        """The names of these steps in ``base`` (a base that cannot be listed raises; one not made yet holds none)."""
+        """The names of these steps in ``base`` (one not made yet holds none; a local file in its place raises)."""
         return [p for p in map(self.parse, names(self.base)) if p is not None]
 
     def _has_manifest(self, step: int) -> bool:

@@ -80,21 +80,22 @@ _EVENTS: dict[type, dict[str, Callable[[Callback], None]]] = {
 def guard(cbs: Iterable[Callback], kinds: tuple[type, ...]) -> list[tuple[Callback, str]]:
     """Give the callbacks of ``kinds`` (``LRFinder``, ``TerminateOnNaNCallback``) among ``cbs`` their rank-safe
     events; returns the ``(callback, event)`` pairs set, for :func:`put_back`."""
-    replaced = []
+    guarded = []
     for cb in cbs:
         for kind, events in _EVENTS.items():
             if kind in kinds and isinstance(cb, kind):
                 for name, event in events.items():
                     vars(cb)[name] = partial(event, cb)  # looked up on the instance first
-                    replaced.append((cb, name))
-    return replaced
+                    guarded.append((cb, name))
+    return guarded
 
 
-def put_back(replaced: list[tuple[Callback, str]], event: str | None = None) -> None:
-    """Give the callbacks back their own events (only ``event``, when given), and drop them from ``replaced``."""
-    for cb, name in [pair for pair in replaced if event in (None, pair[1])]:
+def put_back(pairs: list[tuple[Callback, str]], event: str | None = None) -> None:
+    """Give the callbacks of the ``(callback, event)`` pairs (only those of ``event``, when given) back their own
+    events, and drop those pairs from ``pairs``."""
+    for cb, name in [pair for pair in pairs if event in (None, pair[1])]:
         vars(cb).pop(name, None)
-        replaced.remove((cb, name))
+        pairs.remove((cb, name))
 
 
 def _skipped_event() -> None:

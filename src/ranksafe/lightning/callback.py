@@ -211,7 +211,7 @@ class RankSafe(Callback):
         """With preemption, the manager's signal handlers replace Lightning's for this fit (:class:`TrainerSteps`).
         Without, a warning when Lightning's SLURM requeue handler would save with other ranks."""
         if self.steps is not None and self.steps.handles_signals:
-            self.steps.take_over_signals(trainer)
+            self.steps.prepare_preemption(trainer)
             wrap(compat.signal_connector(trainer), "register_signal_handlers", self._install_signals)
         elif SlurmRequeue.of(trainer) is not None and _shared() and topology.is_main():
             warnings.warn(UNAGREED_REQUEUE, stacklevel=3)

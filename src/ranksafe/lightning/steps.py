@@ -63,14 +63,13 @@ class TrainerSteps:
         """Whether ``step`` holds sharded state (no ``state.pt``), decided alike on every rank: a file one rank does
         not see yet is there for all. Collective."""
         state = os.path.join(self.manager.step_dir(step), STATE)
-        return not agree(remote.exists(state), "any", name="plain step", timeout=self.manager.timeout)
+        return not agree(remote.exists(state), "any", name=f"plain step {step}", timeout=self.manager.timeout)
 
     # -- a fit -----------------------------------------------------------------------------------------------
 
-    def take_over_signals(self, trainer: pl.Trainer) -> None:
-        """At ``setup`` of a fit with preemption, before the manager's signal handlers replace Lightning's (RankSafe
-        wraps the signal connector): SLURM's requeue, if the run's environment asks for one, follows the preemption
-        step's commit."""
+    def prepare_preemption(self, trainer: pl.Trainer) -> None:
+        """At ``setup`` of a fit with preemption: this fit may stop once, and SLURM's requeue, if the run's environment
+        asks for one, follows the preemption step's commit. Installs nothing (:meth:`install_signals` does)."""
         self._stopping = False
         self._requeue = SlurmRequeue.of(trainer)
         if self._requeue is not None:
@@ -99,7 +98,7 @@ class TrainerSteps:
         self.manager.shutdown()
 
     def teardown(self) -> None:
-        """Lightning's signal handlers are back (installed again by the next fit's connector). Local."""
+        """Put back the signal handlers of before the fit, which the manager's replaced. Local."""
         self.manager.schedule.uninstall()
 
     def end_step(self, trainer: pl.Trainer) -> None:
