@@ -449,7 +449,7 @@ def test_interpreter_exit_waits_for_the_write_in_flight(tmp_path):
 
 def _two_savers(rank):
     from ranksafe import exchange as protocol
-    from ranksafe.async_save import check_savers
+    from ranksafe.saver_failures import check_savers
 
     a, b = AsyncSaver(writer="all"), AsyncSaver(writer="all")
     check_savers([a, b], "two")  # warms up the session

@@ -64,14 +64,14 @@ def test_overwrite_race_naive_fails_prepare_dir_never(tmp_path):
 
 
 def _who_writes(rank, path, log):
-    before = saving.atomic_save
+    before = saving.save_file
 
     def logged(obj, p, **kw):
         with open(log, "a") as f:
             f.write(f"{rank}\n")
         return before(obj, p, **kw)
 
-    saving.atomic_save = logged
+    saving.save_file = logged
     ranksafe.save({"w": torch.full((4,), float(rank))}, path)
     loaded = ranksafe.load(path)
     return {

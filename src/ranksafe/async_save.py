@@ -2,12 +2,11 @@
 
 :class:`AsyncSaver` snapshots the state into reusable staging buffers (under the read side of a
 :class:`~ranksafe.lock.StateDictLock`, so never mid-step) and hands the snapshot to a writer thread that
-commits it with the same atomic protocol as a synchronous save (:func:`ranksafe.checkpoint_file.atomic_save`).
+commits it with the same atomic protocol as a synchronous save (:func:`ranksafe.checkpoint_file.save_file`).
 
 Failures travel like every ranksafe failure: the background thread records its exception, and every rank
-raises the same :class:`~ranksafe.RankFailure`: at the next step with :meth:`AsyncSaver.poll` (one store read per
-step while no rank has a failure, through a :class:`~ranksafe.notice.StepNotice`), or in
-:meth:`AsyncSaver.check` and :meth:`AsyncSaver.close` (one exchange, which waits for every rank). The background
+raises the same :class:`~ranksafe.RankFailure`, at the next step with :meth:`AsyncSaver.poll`, or in
+:meth:`AsyncSaver.check` and :meth:`AsyncSaver.close` (how: :mod:`ranksafe.saver_failures`). The background
 thread itself never runs a collective: it would race the training thread's collectives for the shared sequence.
 """
 
@@ -21,20 +20,21 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 from enum import Enum
 from typing import Any
 
 from . import remote, topology
-from .checkpoint_file import atomic_save, probe_write
+from .checkpoint_file import probe_write, save_file
 from .choice import Choice
-from .collectives import share_outcome, together
-from .errors import BarrierTimeout, CollectiveMismatch, Failure, rank_failure
-from .files import local_path, make_dirs
+from .collectives import together
+from .errors import error_naming_target
+from .files import local_path
 from .lock import StateDictLock
 from .notice import StepNotice
 from .parked_thread import ParkedThread
-from .saving import Writer, error_naming_target, is_writer
+from .saver_failures import check_savers, poll_savers
+from .saving import Writer, is_writer
 from .sharded import refuse_sharded
 from .snapshot import Captured, StagingBuffers
 
@@ -138,8 +138,8 @@ class AsyncSaver:
         # the unreported failure, in a cell shared with a finalizer: a saver dropped unchecked still reports it
         self._failure: list[BaseException | None] = [None]
         weakref.finalize(self, _report_unchecked, self._failure).atexit = False  # at exit: _wait_at_exit
-        self._notice = StepNotice(f"{name}: background failure")  # what poll() reads, once per step
-        self._carried_by: StepNotice | None = None  # the notice this rank posted its failure in, not yet acted on
+        self.notice = StepNotice(f"{name}: background failure")  # what poll() reads, once per step
+        self.carried_by: StepNotice | None = None  # the notice this rank posted its failure in, not yet acted on
         self._fresh_threads()
         _live.add(self)
 
@@ -180,17 +180,9 @@ class AsyncSaver:
         of remote storage (``storage_options=`` for its file system, among the keyword arguments).
         """
         storage_options = torch_save_kwargs.pop("storage_options", None)
-        url = remote.is_url(path)
-        path = remote.Remote.of(path, storage_options).url if url else local_path(path)
+        path = remote.Remote.of(path, storage_options).url if remote.is_url(path) else local_path(path)
 
-        def write(snapshot: Any) -> str:
-            try:
-                if not url:
-                    make_dirs(os.path.dirname(os.path.abspath(path)))
-                return atomic_save(snapshot, path, storage_options=storage_options, **torch_save_kwargs)
-            except OSError as e:
-                raise error_naming_target(e, "cannot save", path) from e
-
+        write = functools.partial(save_file, path=path, storage_options=storage_options, **torch_save_kwargs)
         return self.submit(state, write, on_commit)
 
     def submit(self, state: Any, write_fn: Callable[[Any], Any], on_commit: OnCommit | None = None) -> bool:
@@ -343,7 +335,7 @@ class AsyncSaver:
             err, self._failure[0] = self._failure[0], None
         return err
 
-    def _put_back(self, err: BaseException) -> None:
+    def put_back(self, err: BaseException) -> None:
         """Mark ``err`` unreported again (its exchange failed), unless a newer failure took its place."""
         with self._error_lock:
             if self._failure[0] is None:
@@ -401,68 +393,6 @@ class AsyncSaver:
             self.close()
         else:  # already failing: do not add a collective other ranks may never reach
             self.shutdown()
-
-
-def check_savers(savers: Iterable[AsyncSaver], name: str = "async save", point: str = "check") -> None:
-    """:meth:`AsyncSaver.check` for several savers at the price of one exchange; collective.
-
-    Raises :class:`~ranksafe.RankFailure` on every rank if a background write of any of them failed on any
-    rank. One failure per call is reported (the first saver's); another saver's stays pending for the next.
-    ``point`` names where in training the check is (``check``, ``close``): ranks at different points mismatch.
-    When the exchange itself fails (a rank missing, ranks elsewhere), the failure taken for it stays pending.
-    """
-    err, owner = None, None
-    for saver in savers:
-        err = saver.take_error()
-        if err is not None:
-            owner = saver
-            break
-    if owner is not None and owner._carried_by is not None:  # the exchange reports it: no rank acts on the notice
-        owner._carried_by.withdraw()
-        owner._carried_by = None
-    try:
-        share_outcome(f"{name}: {point}", err)
-    except (BarrierTimeout, CollectiveMismatch):
-        if owner is not None:
-            owner._put_back(err)
-        raise
-
-
-def poll_savers(savers: Sequence[AsyncSaver]) -> None:
-    """:meth:`AsyncSaver.poll` for several savers at the price of one store read; every rank, once per step.
-
-    The first saver's notice carries a failure of any of them: pass the same savers in the same order at every
-    step, and do not also poll the first one on its own. One failure is posted at a time; another stays
-    pending for the next one (or for :func:`check_savers`).
-    """
-    if topology.world_size() == 1:  # no rank to keep in step: the failure is raised at once, as it is
-        failed = next((saver for saver in savers if saver.failed), None)
-        if failed is not None:
-            raise failed.take_error()  # type: ignore[misc]
-        return
-    notice = savers[0]._notice
-    due = notice.poll()
-    if due is not None:
-        _raise_notice(savers, notice, due.payload)
-    pending = next((saver for saver in savers if saver.failed and saver._carried_by is None), None)
-    if pending is not None:
-        failure = Failure.from_exception(topology.rank(), pending.error)  # type: ignore[arg-type]
-        standing = notice.post((pending.name, failure))
-        if standing.payload == (pending.name, failure):  # not another rank's, posted first
-            pending._carried_by = notice
-
-
-def _raise_notice(savers: Sequence[AsyncSaver], notice: StepNotice, payload: tuple[str, Failure]) -> None:
-    """Raise the failure a rank posted in ``notice``, on every rank alike; the poster marks it reported."""
-    err = None
-    for saver in savers:
-        if saver._carried_by is notice:
-            saver._carried_by = None
-            err = saver.take_error()
-    if err is not None and topology.world_size() == 1:
-        raise err
-    name, failure = payload
-    raise rank_failure(f"{name}: background write", [failure]) from err
 
 
 def _report_unchecked(failure: list[BaseException | None]) -> None:

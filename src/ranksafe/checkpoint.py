@@ -47,12 +47,11 @@ from .commit import (
     step_commit,
     verify_step,
 )
-from .errors import BarrierTimeout, CollectiveMismatch, CorruptCheckpoint
+from .errors import BarrierTimeout, CollectiveMismatch, CorruptCheckpoint, error_naming_target
 from .files import local_path
 from .lock import StateDictLock
 from .remote import Remote
 from .retention import BestMode, Retention
-from .saving import error_naming_target
 from .schedule import SaveSchedule
 from .sharded import StepShards, for_dcp, read_shards, refuse_sharded, require_shared, verify_shares
 from .steps import StepDirs, StepInfo, check_step, list_steps
@@ -207,7 +206,7 @@ class CheckpointManager:
 
     @property
     def saver(self) -> AsyncSaver | None:
-        """The background saver with ``async_save`` (for :func:`~ranksafe.async_save.check_savers`), else None."""
+        """The background saver with ``async_save`` (for :func:`~ranksafe.saver_failures.check_savers`), else None."""
         return self._saver
 
     @property

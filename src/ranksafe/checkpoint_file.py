@@ -25,7 +25,7 @@ from typing import IO, Any
 import torch
 
 from . import remote
-from .errors import CorruptCheckpoint, UntrustedCheckpoint
+from .errors import CorruptCheckpoint, UntrustedCheckpoint, error_naming_target
 from .files import BUFFER_SIZE, atomic_write, local_path, make_dirs
 
 _FOOTER = struct.Struct("<8sQI4s")  # magic, payload length, crc32, version
@@ -196,6 +196,23 @@ def atomic_save(
     with atomic_write(path, storage_options=storage_options) as f:
         save_with_footer(obj, f, **torch_save_kwargs)
     return remote.split(path)[1]
+
+
+def save_file(
+    obj: Any,
+    path: str,
+    storage_options: dict[str, Any] | None = None,
+    action: str = "cannot save",
+    **torch_save_kwargs: Any,
+) -> str:
+    """The write every saver makes: :func:`atomic_save` into a parent directory made if ``path`` is local, an
+    ``OSError`` naming ``path`` and the rank (``"{action} {path} (rank r): ..."``). No collectives."""
+    try:
+        if not remote.is_url(path):
+            make_dirs(os.path.dirname(os.path.abspath(path)))
+        return atomic_save(obj, path, storage_options=storage_options, **torch_save_kwargs)
+    except OSError as e:
+        raise error_naming_target(e, action, path) from e
 
 
 def probe_write(directory: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> int | None:

@@ -11,9 +11,10 @@ import shutil
 from typing import Any
 
 from . import remote, topology
-from .checkpoint_file import atomic_save, load_file
+from .checkpoint_file import load_file, save_file
 from .choice import Choice
 from .collectives import barrier, together
+from .errors import error_naming_target, where
 from .files import local_path, make_dirs
 from .sharded import refuse_sharded
 
@@ -33,19 +34,6 @@ def is_writer(writer: Writer | str = Writer.MAIN) -> bool:
     if writer is Writer.MAIN:
         return topology.is_main()
     return writer is Writer.ALL or topology.is_local_main()
-
-
-def _where(path: str) -> str:
-    return f"{path} (rank {topology.rank()})"
-
-
-def error_naming_target(e: OSError, action: str, path: str) -> OSError:
-    """The same kind of OSError, with a message that names the target (not a temporary) and the rank, and the
-    target as its ``path`` (which :class:`~ranksafe.RankFailure` carries to every rank)."""
-    msg = f"{action} {_where(path)}: {e.strerror or e}"
-    error = type(e)(e.errno, msg) if e.errno is not None else type(e)(msg)
-    error.path = os.fspath(path)
-    return error
 
 
 StorageOptions = dict[str, Any] | None
@@ -76,17 +64,12 @@ def save(
     ``writer="all"`` and a path per rank: one writer would keep its own shards only, so every rank raises
     ``ValueError`` instead.
     """
-    path, url = _checked(path, storage_options)
+    path, _ = _checked(path, storage_options)
     with together("save", what=f"save {path}"):
         if Writer(writer) is not Writer.ALL:
             refuse_sharded(obj, f"save {path}")
         if is_writer(writer):
-            try:
-                if not url:
-                    make_dirs(os.path.dirname(os.path.abspath(path)))
-                atomic_save(obj, path, storage_options=storage_options, **torch_save_kwargs)
-            except OSError as e:
-                raise error_naming_target(e, "cannot save", path) from e
+            save_file(obj, path, storage_options=storage_options, **torch_save_kwargs)
     return path
 
 
@@ -139,10 +122,10 @@ def prepare_dir(
                 return path
             if os.path.isdir(path) and os.listdir(path):
                 if not overwrite:
-                    raise FileExistsError(f"{_where(path)} exists and is not empty; pass overwrite=True to replace it")
+                    raise FileExistsError(f"{where(path)} exists and is not empty; pass overwrite=True to replace it")
                 shutil.rmtree(path)
             elif os.path.exists(path) and not os.path.isdir(path):
-                raise NotADirectoryError(f"{_where(path)} exists and is not a directory")
+                raise NotADirectoryError(f"{where(path)} exists and is not a directory")
             make_dirs(path)
     return path
 
@@ -150,6 +133,6 @@ def prepare_dir(
 def _prepare_remote(target: remote.Remote, overwrite: bool) -> None:
     if target.names():
         if not overwrite:
-            raise FileExistsError(f"{_where(target.url)} is not empty; pass overwrite=True to replace it")
+            raise FileExistsError(f"{where(target.url)} is not empty; pass overwrite=True to replace it")
         target.remove()
     target.fs.makedirs(target.path, exist_ok=True)

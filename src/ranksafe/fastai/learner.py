@@ -29,10 +29,9 @@ from fastcore.foundation import L
 from fastcore.xtras import load_pickle
 
 from .. import remote, saving, topology
-from ..checkpoint_file import atomic_save, load_plain_pickle
+from ..checkpoint_file import load_plain_pickle, save_file
 from ..collectives import together
 from ..errors import UntrustedCheckpoint
-from ..files import make_dirs
 from . import compat
 
 PathLike = str | os.PathLike
@@ -225,11 +224,10 @@ def export(
             old_dls, state = learn.dls, (learn.opt.state_dict() if learn.opt is not None else None)
             learn.dls, learn.opt = learn.dls.new_empty(), None
             try:
-                if not remote.is_url(target):  # a URL (remote storage) has no directory to make
-                    make_dirs(target.parent)
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # PyTorch's warning about unchecked module sources
-                    atomic_save(learn, target, pickle_module=pickle_module, pickle_protocol=pickle_protocol)
+                    pickling = {"pickle_module": pickle_module, "pickle_protocol": pickle_protocol}
+                    save_file(learn, target, action="cannot export to", **pickling)
             finally:
                 learn.create_opt()
                 if state is not None:

@@ -20,14 +20,15 @@ from lightning.pytorch.callbacks import Callback, Checkpoint, EarlyStopping, Mod
 from lightning.pytorch.trainer.states import TrainerFn
 
 from .. import remote, topology
-from ..async_save import poll_savers
 from ..checkpoint import CheckpointManager
 from ..checkpoint_file import probe_write
 from ..collectives import abort, broadcast, checked_timeout, together
+from ..errors import error_naming_target
 from ..files import atomic_link, clean_orphans
 from ..lock import StateDictLock
 from ..options import needs_checkpoint_dir, positive_int
-from ..saving import error_naming_target, prepare_dir
+from ..saver_failures import poll_savers
+from ..saving import prepare_dir
 from ..storage import Storage
 from . import compat
 from .io import RankSafeCheckpointIO

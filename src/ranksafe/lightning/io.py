@@ -19,10 +19,10 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 
 from .. import remote, topology
 from ..async_save import AsyncSaver
-from ..checkpoint_file import atomic_save, load_file
+from ..checkpoint_file import load_file, save_file
+from ..errors import error_naming_target
 from ..files import atomic_link, local_path, make_dirs
 from ..lock import StateDictLock
-from ..saving import error_naming_target
 
 PathLike = str | os.PathLike
 
@@ -100,12 +100,7 @@ class RankSafeCheckpointIO(CheckpointIO):
 
     def _write(self, checkpoint: dict[str, Any], path: str, storage_options: Any | None = None) -> None:
         """The commit itself, on the calling thread or the background one."""
-        try:
-            if not remote.is_url(path):
-                make_dirs(os.path.dirname(os.path.abspath(path)))
-            atomic_save(checkpoint, path, storage_options=storage_options)
-        except OSError as e:  # name the checkpoint, not the temporary file the error speaks of
-            raise error_naming_target(e, "cannot save checkpoint", path) from e
+        save_file(checkpoint, path, storage_options, action="cannot save checkpoint")
 
     def load_checkpoint(
         self,

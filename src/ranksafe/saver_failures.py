@@ -1,0 +1,83 @@
+"""How a background write's failure reaches every rank, for one :class:`~ranksafe.async_save.AsyncSaver` or several.
+
+Two ways, both collectives. :func:`poll_savers`, once per training step: while no rank has a failure it reads one
+flag in the store and waits for no rank; a rank whose write failed posts the failure in the first saver's
+:class:`~ranksafe.notice.StepNotice`, and at the next step every rank raises the same
+:class:`~ranksafe.RankFailure`. :func:`check_savers`, at a check point or at close: one exchange that waits for
+every rank. Each failure is reported once, by whichever of the two comes first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from . import topology
+from .collectives import share_outcome
+from .errors import BarrierTimeout, CollectiveMismatch, Failure, rank_failure
+from .notice import StepNotice
+
+if TYPE_CHECKING:
+    from .async_save import AsyncSaver
+
+
+def check_savers(savers: Iterable[AsyncSaver], name: str = "async save", point: str = "check") -> None:
+    """:meth:`AsyncSaver.check` for several savers at the price of one exchange; collective.
+
+    Raises :class:`~ranksafe.RankFailure` on every rank if a background write of any of them failed on any
+    rank. One failure per call is reported (the first saver's); another saver's stays pending for the next.
+    ``point`` names where in training the check is (``check``, ``close``): ranks at different points mismatch.
+    When the exchange itself fails (a rank missing, ranks elsewhere), the failure taken for it stays pending.
+    """
+    err, owner = None, None
+    for saver in savers:
+        err = saver.take_error()
+        if err is not None:
+            owner = saver
+            break
+    if owner is not None and owner.carried_by is not None:  # the exchange reports it: no rank acts on the notice
+        owner.carried_by.withdraw()
+        owner.carried_by = None
+    try:
+        share_outcome(f"{name}: {point}", err)
+    except (BarrierTimeout, CollectiveMismatch):
+        if owner is not None:
+            owner.put_back(err)
+        raise
+
+
+def poll_savers(savers: Sequence[AsyncSaver]) -> None:
+    """:meth:`AsyncSaver.poll` for several savers at the price of one store read; every rank, once per step.
+
+    The first saver's notice carries a failure of any of them: pass the same savers in the same order at every
+    step, and do not also poll the first one on its own. One failure is posted at a time; another stays
+    pending for the next one (or for :func:`check_savers`).
+    """
+    if topology.world_size() == 1:  # no rank to keep in step: the failure is raised at once, as it is
+        failed = next((saver for saver in savers if saver.failed), None)
+        if failed is not None:
+            raise failed.take_error()  # type: ignore[misc]
+        return
+    notice = savers[0].notice
+    due = notice.poll()
+    if due is not None:
+        _raise_notice(savers, notice, due.payload)
+    pending = next((saver for saver in savers if saver.failed and saver.carried_by is None), None)
+    if pending is not None:
+        failure = Failure.from_exception(topology.rank(), pending.error)  # type: ignore[arg-type]
+        standing = notice.post((pending.name, failure))
+        if standing.payload == (pending.name, failure):  # not another rank's, posted first
+            pending.carried_by = notice
+
+
+def _raise_notice(savers: Sequence[AsyncSaver], notice: StepNotice, payload: tuple[str, Failure]) -> None:
+    """Raise the failure a rank posted in ``notice``, on every rank alike; the poster marks it reported."""
+    err = None
+    for saver in savers:
+        if saver.carried_by is notice:
+            saver.carried_by = None
+            err = saver.take_error()
+    if err is not None and topology.world_size() == 1:
+        raise err
+    name, failure = payload
+    raise rank_failure(f"{name}: background write", [failure]) from err
