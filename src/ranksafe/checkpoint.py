@@ -30,19 +30,18 @@ from typing import Any
 
 from . import remote, topology
 from .async_save import AsyncSaver
-from .checkpoint_file import ChecksummingWriter, load_file, probe_write, save_with_footer
-from .collectives import broadcast, checked_timeout, default_timeout, exchange_outcome, share_outcome, together
+from .checkpoint_file import load_file
+from .collectives import checked_timeout, default_timeout, exchange_outcome, share_outcome, together
 from .commit import (
     MANIFEST,
     AtomicDir,
     DirCommit,
-    Entry,
     Place,
+    StepWriter,
     build_manifest,
     check_name,
     join,
     name_of,
-    open_for_commit,
     read_manifest,
     step_commit,
     verify_step,
@@ -55,7 +54,7 @@ from .retention import BestMode, Retention
 from .schedule import SaveSchedule
 from .sharded import StepShards, for_dcp, read_shards, refuse_sharded, require_shared, verify_shares
 from .steps import StepDirs, StepInfo, check_step, list_steps
-from .storage import Placement, Storage, StorageKind, placement
+from .storage import Placement, Storage, StorageKind, check_every_rank_sees, placement, probe_root
 
 __all__ = [
     "MANIFEST",
@@ -69,44 +68,6 @@ __all__ = [
 ]
 
 STATE = "state.pt"
-
-
-class StepWriter:
-    """What every rank holds inside :meth:`CheckpointManager.saving`: the step directory being written.
-
-    Files written through :meth:`save` are checksummed while they stream out, and their size and CRC travel to
-    the writer for the manifest; files written directly into :attr:`path` (a local directory only) are hashed by
-    the writer at commit. Names are plain file names inside the step directory.
-    """
-
-    def __init__(self, commit: DirCommit, step: int):
-        self.path = name_of(commit.tmp)
-        self.step = step
-        self.entries: dict[str, Entry] = {}
-        self.metrics: dict[str, float] = {}  # what the manifest records (see CheckpointManager.saving)
-        self._tmp, self._final = commit.tmp, commit.final
-
-    def file(self, name: str) -> str:
-        """The path (or URL) of ``name`` inside the step directory being written."""
-        return name_of(join(self._tmp, check_name(name, "file name")))
-
-    def save(self, obj: Any, name: str) -> str:
-        """Write ``obj`` as ``name``: bytes and str as they are, anything else with ``torch.save``. A failed write
-        raises its ``OSError`` naming the file as it will be once committed, and the rank."""
-        place = join(self._tmp, check_name(name, "file name"))
-        raw = obj.encode() if isinstance(obj, str) else obj
-        try:
-            with open_for_commit(place) as f:
-                whole = ChecksummingWriter(f)
-                if isinstance(raw, (bytes, bytearray, memoryview)):
-                    whole.write(raw)
-                else:  # torch.save + ranksafe footer, as atomic_save writes it
-                    save_with_footer(obj, whole)
-        except OSError as e:
-            final = name_of(join(self._final, name))
-            raise error_naming_target(e, f"cannot save step {self.step}:", final) from e
-        self.entries[name] = (whole.length, whole.crc)
-        return name_of(place)
 
 
 def _shard(rank: int) -> str:
@@ -239,41 +200,11 @@ class CheckpointManager:
             require_shared(where, self.root)
         with together(f"checkpoint {self.root}: warmup", self.timeout):
             if where.writer:
-                probe = self._probe_root()
+                probe = probe_root(self._base, self.storage_options)
             if self._saver is not None and example_state is not None and (where.writer or shards is not None):
                 self._saver.staging.capture(example_state if shards is None else shards)
         if isinstance(self._base, Remote):
-            self._check_every_rank_sees(probe)
-
-    def _probe_root(self) -> Remote | None:
-        """Write and remove a small checkpoint at the root (an ``OSError`` names it); on remote storage, leave an
-        object there for every rank to look for, and return it."""
-        try:
-            probe_write(self.root, self.storage_options)
-            if not isinstance(self._base, Remote):
-                return None
-            probe = self._base.child(f".ranksafe-probe-{os.getpid()}")
-            with open_for_commit(probe) as f:
-                f.write(b"probe")
-            return probe
-        except OSError as e:
-            raise error_naming_target(e, "cannot write checkpoints to", self.root) from e
-
-    def _check_every_rank_sees(self, probe: Remote | None) -> None:
-        """Every rank looks for the object the writer left (``probe``, on the writer): remote storage must be the
-        same for every rank. Collective."""
-        name = broadcast(None if probe is None else probe.name, name="checkpoint warmup: probe")
-        try:
-            with together(f"checkpoint {self.root}: warmup, seen by every rank", self.timeout):
-                if not self._base.child(name).exists():
-                    raise FileNotFoundError(
-                        f"{remote.where(self.root)} does not see what rank 0 wrote there: remote storage must be"
-                        " the same for every rank (memory:// lives in one process)"
-                    )
-        finally:  # once every rank looked; a probe left behind harms nothing, so its removal fails no rank
-            if probe is not None:
-                with contextlib.suppress(OSError):
-                    probe.remove()
+            check_every_rank_sees(self._base, probe, self.timeout)
 
     # -- saving ---------------------------------------------------------------------------------------
 

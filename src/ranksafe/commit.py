@@ -20,8 +20,9 @@ it. The one thing a rename gives that a marker does not: replacing a committed s
 if the writer dies half-way, no copy of that step on remote storage (the earlier steps stay).
 
 Everyone can derive every path from the final one without a file-system call; only the writer creates, commits,
-aborts and recovers. :func:`verify_step` reads a step without collectives (for ``ranksafe verify``, and
-for humans); :mod:`ranksafe.steps` lists a root's steps.
+aborts and recovers; any rank may write files into a step being made, through a :class:`StepWriter`.
+:func:`verify_step` reads a step without collectives (for ``ranksafe verify``, and for humans); :mod:`ranksafe.steps`
+lists a root's steps.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from collections.abc import Iterator, Mapping
 from typing import IO, Any, Protocol
 
 from . import remote
-from .errors import CorruptCheckpoint
+from .checkpoint_file import ChecksummingWriter, save_with_footer
+from .errors import CorruptCheckpoint, error_naming_target
 from .files import TMP_SUFFIX, atomic_write, fsync_dir, local_path, make_dirs
 from .remote import Remote
 
@@ -178,6 +180,44 @@ def open_for_commit(place: Place) -> contextlib.AbstractContextManager[IO[bytes]
 def step_commit(final: Place) -> DirCommit:
     """The commit protocol for a step directory at ``final``."""
     return ObjectDir(final) if isinstance(final, Remote) else AtomicDir(final)
+
+
+class StepWriter:
+    """What every rank holds inside :meth:`CheckpointManager.saving`: the step directory being written.
+
+    Files written through :meth:`save` are checksummed while they stream out, and their size and CRC travel to
+    the writer for the manifest; files written directly into :attr:`path` (a local directory only) are hashed by
+    the writer at commit. Names are plain file names inside the step directory.
+    """
+
+    def __init__(self, commit: DirCommit, step: int):
+        self.path = name_of(commit.tmp)
+        self.step = step
+        self.entries: dict[str, Entry] = {}
+        self.metrics: dict[str, float] = {}  # what the manifest records (see CheckpointManager.saving)
+        self._tmp, self._final = commit.tmp, commit.final
+
+    def file(self, name: str) -> str:
+        """The path (or URL) of ``name`` inside the step directory being written."""
+        return name_of(join(self._tmp, check_name(name, "file name")))
+
+    def save(self, obj: Any, name: str) -> str:
+        """Write ``obj`` as ``name``: bytes and str as they are, anything else with ``torch.save``. A failed write
+        raises its ``OSError`` naming the file as it will be once committed, and the rank."""
+        place = join(self._tmp, check_name(name, "file name"))
+        raw = obj.encode() if isinstance(obj, str) else obj
+        try:
+            with open_for_commit(place) as f:
+                whole = ChecksummingWriter(f)
+                if isinstance(raw, (bytes, bytearray, memoryview)):
+                    whole.write(raw)
+                else:  # torch.save + ranksafe footer, as atomic_save writes it
+                    save_with_footer(obj, whole)
+        except OSError as e:
+            final = name_of(join(self._final, name))
+            raise error_naming_target(e, f"cannot save step {self.step}:", final) from e
+        self.entries[name] = (whole.length, whole.crc)
+        return name_of(place)
 
 
 def _crc_file(place: Place) -> Entry:

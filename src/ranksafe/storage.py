@@ -11,6 +11,9 @@ the reports are agreed. Because *every* local main writes, the probe is correct 
 on node-local disks each node sees exactly its own token, on shared storage every node sees all of them.
 A mix (some nodes share a disk, others do not) is recognised too: each group of nodes that share a disk
 gets one writer, the local main of its lowest node.
+
+Remote storage (a URL) is shared by definition, but only if every rank reaches the same store: the warmup of a
+root there checks it (:func:`check_every_rank_sees`).
 """
 
 from __future__ import annotations
@@ -20,12 +23,16 @@ import errno
 import os
 import secrets
 from dataclasses import dataclass
+from typing import Any
 
-from . import topology
+from . import remote, topology
+from .checkpoint_file import probe_write
 from .choice import Choice
-from .collectives import exchange_outcome
-from .errors import Failure, rank_failure
+from .collectives import broadcast, exchange_outcome, together
+from .commit import Place, name_of, open_for_commit
+from .errors import Failure, error_naming_target, rank_failure
 from .files import local_path, make_dirs
+from .remote import Remote
 
 
 class Storage(Choice):
@@ -208,3 +215,36 @@ def _from_groups(groups: dict[int, frozenset[int]], directory: str) -> Placement
     kind = StorageKind.LOCAL if all(len(g) == 1 for g in groups.values()) else StorageKind.MIXED
     mine = groups[node]
     return Placement(kind, topology.is_local_main() and node == min(mine), mine)
+
+
+def probe_root(base: Place, storage_options: dict[str, Any] | None = None) -> Remote | None:
+    """Write and remove a small checkpoint at a root of checkpoints (an ``OSError`` names it); on remote storage,
+    leave an object there for :func:`check_every_rank_sees`, and return it. The writer's part of a warmup."""
+    root = name_of(base)
+    try:
+        probe_write(root, storage_options)
+        if not isinstance(base, Remote):
+            return None
+        probe = base.child(f".ranksafe-probe-{os.getpid()}")
+        with open_for_commit(probe) as f:
+            f.write(b"probe")
+        return probe
+    except OSError as e:
+        raise error_naming_target(e, "cannot write checkpoints to", root) from e
+
+
+def check_every_rank_sees(base: Remote, probe: Remote | None, timeout: float | None = None) -> None:
+    """Every rank looks for the object the writer left at ``base`` (``probe``, on the writer): remote storage must be
+    the same for every rank (``memory://`` is not). Collective."""
+    name = broadcast(None if probe is None else probe.name, name="checkpoint warmup: probe")
+    try:
+        with together(f"checkpoint {base.url}: warmup, seen by every rank", timeout):
+            if not base.child(name).exists():
+                raise FileNotFoundError(
+                    f"{remote.where(base.url)} does not see what rank 0 wrote there: remote storage must be"
+                    " the same for every rank (memory:// lives in one process)"
+                )
+    finally:  # once every rank looked; a probe left behind harms nothing, so its removal fails no rank
+        if probe is not None:
+            with contextlib.suppress(OSError):
+                probe.remove()
