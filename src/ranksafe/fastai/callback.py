@@ -10,30 +10,27 @@ and a ``fit`` whose error on one rank reaches every rank. During a fit on severa
 
 With ``checkpoint_dir=`` the training state (:mod:`.training_state`) goes into steps of a
 :class:`~ranksafe.CheckpointManager`, also inside epochs with ``preemption`` or a save interval; a resume goes on
-from the batch after the saved one (:mod:`.mid_epoch`). In a single process it changes nothing fastai writes or
-decides.
+from the batch after the saved one; the callback forwards those moments of a fit to :class:`~.steps.FitSteps`. In a
+single process it changes nothing fastai writes or decides.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 from fastai.callback.core import Callback
 from fastai.callback.schedule import LRFinder
 from fastai.callback.tracker import TerminateOnNaNCallback
 from fastai.distributed import DistributedTrainer
-from fastai.learner import CancelFitException, Learner, SkipToEpoch
+from fastai.learner import CancelFitException, Learner
 from fastcore.foundation import L
 
 from .. import remote, topology
 from ..checkpoint import CheckpointManager
-from ..checkpoint_file import load_file
-from ..collectives import abort, barrier, broadcast, together
+from ..collectives import abort, barrier, broadcast
 from ..lock import StateDictLock
 from ..options import needs_checkpoint_dir, positive_int
 from ..retention import Retention
@@ -43,46 +40,8 @@ from . import learner
 from .distributed import any_backend, prepare_distributed
 from .guards import guard, put_back, quiet_csv_loggers, quiet_trackers, refuse_remote_csv
 from .learner import METHODS, install, stock_method, uninstall
-from .mid_epoch import Resumption, end_resumed_epoch, restore_epoch_start, skip_done_batches
-from .training_state import (
-    BATCHES,
-    EPOCH_START,
-    FIT,
-    STATE,
-    STEP_BASE,
-    STEPS,
-    TRAIN_ITER,
-    generators,
-    rank_state,
-    restore,
-    rng_file,
-    set_rank_state,
-    training_state,
-)
-
-
-@dataclass
-class _Fit:
-    """What RankSafe holds for the fit in progress: made at the fit's ``before_fit``, dropped when it is over."""
-
-    guarded: list[tuple[Callback, str]]  # other callbacks' events made rank-safe for this fit (guards.guard)
-    quiet: list[tuple[Callback, str]] = field(default_factory=list)  # trackers' events kept quiet (quiet_trackers)
-    epoch: int = 0  # the fit's epoch: a validate pass inside the fit sets learn.epoch to 0
-    # checkpointing: a training fit with checkpoint_dir (not lr_find)
-    checkpointing: bool = False
-    ordinal: int = 0  # which checkpointing fit of the process this is: a re-run script finds its place with it
-    base: int = 0  # the step number of the fit's epoch 0
-    trained: bool = False  # this epoch trained (an epoch a resume skips saves nothing)
-    holding: bool = False  # the optimizer step holds the write side of the state lock
-    # resuming: the epochs before the checkpoint are skipped
-    skip: SkipToEpoch | None = None  # fastai's epoch skipper
-    history: list = field(default_factory=list)  # the recorded values of the epochs skipped
-    tracked_epoch: int | None = None  # the skipped epoch saved before its trackers ran: they run for it as usual
-    # saves inside epochs
-    boundary: _StepBoundary | None = None  # the step boundary after each training batch
-    cancelled: bool = False  # the batch in progress was cancelled: not a step boundary
-    epoch_start: dict | None = None  # this rank's generators when this epoch's training started
-    resumption: Resumption | None = None  # the epoch a checkpoint taken inside it goes on from, until it starts
+from .mid_epoch import end_resumed_epoch
+from .steps import Fit, FitSteps
 
 
 def _validating(learn: Learner) -> bool:
@@ -106,7 +65,7 @@ class _StepBoundary(Callback):
         self.owner._step_boundary()
 
 
-_TRANSIENT = {"_fit": None, "_manager": None, "_lock": None, "_fits": 0, "_steps": 0, "_exported_ranks": False}
+_TRANSIENT = {"_fit": None, "_steps": None, "_lock": None, "_exported_ranks": False}
 """RankSafe's attributes that belong to this process: never pickled."""
 
 
@@ -185,7 +144,7 @@ class RankSafe(Callback):
     @property
     def manager(self) -> CheckpointManager | None:
         """The :class:`~ranksafe.CheckpointManager` of ``checkpoint_dir`` (made at the first fit)."""
-        return self._manager
+        return None if self._steps is None else self._steps.manager
 
     @property
     def learn(self) -> Learner | None:
@@ -235,7 +194,7 @@ class RankSafe(Callback):
         several = topology.world_size() >= 2
         # one process: only lr_find's temporary model needs a hand, where learn.path is a URL (fastai makes local dirs)
         kinds = (TerminateOnNaNCallback, LRFinder) if several else (LRFinder,) if remote.is_url(learn.path) else ()
-        self._fit = _Fit(guarded=guard(learn.cbs, kinds))
+        self._fit = Fit(guarded=guard(learn.cbs, kinds))
         self._exported_ranks |= prepare_distributed()  # a process group made after this callback and its Learner
         if several:
             self._refuse_training_alone()
@@ -256,76 +215,21 @@ class RankSafe(Callback):
                 "right after init_process_group."
             )
 
-    def _start_checkpointing(self, fit: _Fit) -> None:
-        fit.checkpointing, fit.ordinal, self._fits = True, self._fits, self._fits + 1
-        if self._preempted:  # the process is to end, and the next run to resume: this fit trains nothing
-            self._skip_to(fit, self.learn.n_epoch)
-            return
-        if self._scheduled:
+    def _start_checkpointing(self, fit: Fit) -> None:
+        if self._steps is None:
+            self._steps = FitSteps(self._open_manager, self.every, self._scheduled)
+        if self._scheduled and not self._preempted:
             fit.boundary = _StepBoundary(self)
             self.learn.add_cb(fit.boundary)
-        if self._manager is None:
-            root = remote.joinpath(self.learn.path, self.checkpoint_dir)  # a URL stays one
-            self._manager = CheckpointManager(
-                root, self.keep, self.storage, async_save=self.async_save, lock=self.state_lock,
-                save_interval_steps=self.save_interval_steps, save_interval_seconds=self.save_interval_seconds,
-                preemption=self.preemption,
-            )  # fmt: skip
-        else:
-            self._manager.schedule.install()  # the end of the last fit put the signal handlers back
-        self._manager.warmup()  # a root that cannot be written (a bucket, credentials) fails every rank now
-        newest = self._manager.latest()  # agreed: every rank numbers this fit's steps alike
-        fit.base = 0 if newest is None else newest + 1
-        if self.resume_pending:
-            self._resume(fit, newest)
+        self.resume_pending = self._steps.start(self.learn, fit, self._preempted, self.resume_pending)
 
-    def _resume(self, fit: _Fit, newest: int | None) -> None:
-        """Continue this fit from step ``newest``. A re-run script runs its fits from the first: if a later fit wrote
-        that step, this one had finished, and is skipped whole. If an earlier fit wrote it (``learn.resume()`` after
-        a failed fit, in the same process), this fit takes that one's place."""
-        if newest is None:
-            self.resume_pending = False
-            return  # nothing saved yet: a fresh start
-        mgr = self._manager
-        state = mgr.load(newest)
-        writer = state.get(FIT, fit.ordinal)  # a checkpoint without the ordinal counts as this fit's
-        if writer > fit.ordinal:
-            warnings.warn(
-                f"resume: the newest checkpoint (step {newest}) was written by fit #{writer} of the run and this is "
-                f"fit #{fit.ordinal}: skipping this fit, which that run had finished (resuming fit #{writer} needs "
-                "the fits before it to run first, as when the script is run again from its start)",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            self._skip_to(fit, self.learn.n_epoch)
-            return
-        self.resume_pending = False
-        if writer < fit.ordinal:
-            fit.ordinal, self._fits = writer, writer + 1
-        step_dir = mgr.step_dir(mgr.loaded_step)
-        rng, mine = os.path.join(step_dir, rng_file(topology.rank())), None
-        with together("fastai: resume", what=f"resume from {step_dir}"):
-            restore(self.learn, state)
-            if remote.exists(rng, mgr.storage_options):  # absent when the world grew since: new generators there
-                mine = load_file(rng, storage_options=mgr.storage_options)
-                set_rank_state(self.learn, mine)
-            else:
-                warnings.warn(f"{rng} does not exist: random generators not restored", RuntimeWarning, stacklevel=2)
-        self._steps, fit.history = state.get(STEPS, 0), state["recorder"]
-        if BATCHES in state:  # taken inside epoch `epoch`: it goes on from its next batch (before_train)
-            fit.resumption = Resumption.of(state, mine)
-            fit.base = state[STEP_BASE] + 1  # as after that save, in the run that made it
-            self._skip_to(fit, state["epoch"])
-            return
-        fit.base = state.get(STEP_BASE, mgr.loaded_step - state["epoch"])
-        fit.tracked_epoch = state["epoch"]
-        self.learn.train_iter = state.get(TRAIN_ITER, 0)
-        self._skip_to(fit, state["epoch"] + 1)
-
-    def _skip_to(self, fit: _Fit, epoch: int) -> None:
-        """Have fastai skip this fit's epochs before ``epoch`` (undone at the end of the fit)."""
-        fit.skip = SkipToEpoch(epoch)
-        self.learn.add_cb(fit.skip)
+    def _open_manager(self) -> CheckpointManager:
+        """The manager of ``checkpoint_dir``, under ``learn.path`` (a URL stays one)."""
+        return CheckpointManager(
+            remote.joinpath(self.learn.path, self.checkpoint_dir), self.keep, self.storage,
+            async_save=self.async_save, lock=self.state_lock, save_interval_steps=self.save_interval_steps,
+            save_interval_seconds=self.save_interval_seconds, preemption=self.preemption,
+        )  # fmt: skip
 
     def before_epoch(self) -> None:
         """Every rank arrives here, or every rank learns which one failed (instead of hanging in DDP). An epoch a
@@ -335,14 +239,8 @@ class RankSafe(Callback):
             return
         fit.epoch = self.epoch
         put_back(fit.quiet, "after_epoch")
-        if fit.resumption is not None and fit.resumption.epoch == self.epoch:
-            skip_done_batches(self.learn, fit.resumption)
-        recorder = getattr(self.learn, "recorder", None)
-        if recorder is not None and self.epoch < len(fit.history):
-            recorder.log = L(self.epoch, *fit.history[self.epoch])
         if fit.checkpointing:
-            fit.trained = False
-            self._manager.check()  # also raises a failed background write, on every rank
+            self._steps.start_epoch(self.learn, fit)  # also raises a failed background write, on every rank
         elif topology.world_size() >= 2:
             barrier("fastai: epoch start")
 
@@ -350,16 +248,8 @@ class RankSafe(Callback):
         """With saves inside epochs: keep the generators of the epoch's start, or, in the epoch a checkpoint was
         taken inside, go on from the batch after the saved one."""
         any_backend([self.learn.dl])
-        fit = self._fit
-        if fit is None:
-            return
-        fit.trained = True
-        if fit.resumption is not None and fit.resumption.epoch == self.epoch:
-            at, fit.resumption = fit.resumption, None
-            restore_epoch_start(self.learn, at)
-            fit.epoch_start = at.epoch_start
-        elif fit.checkpointing and self._scheduled:
-            fit.epoch_start = generators(self.learn)
+        if self._fit is not None and self._fit.checkpointing:
+            self._steps.start_training(self.learn, self._fit)
 
     def after_train(self) -> None:
         """The resumed epoch's training pass is over: later passes iterate whole."""
@@ -400,10 +290,7 @@ class RankSafe(Callback):
         cancelled, fit.cancelled = fit.cancelled, False
         if cancelled or not self._scheduled:
             return
-        self._steps += 1
-        if self._manager.should_save(self._steps):
-            self._save(fit, inside_epoch=True)
-        if self._manager.preempted:
+        if self._steps.step_boundary(self.learn, fit):
             self._preempted = True
             vars(self.learn)["preempted"] = True
             raise CancelFitException  # every rank, after the same batch: fastai runs after_fit, fit returns
@@ -423,20 +310,8 @@ class RankSafe(Callback):
         if checkpointing and not fit.trained and self.epoch != fit.tracked_epoch:
             quiet_trackers(self.learn, fit.quiet, "after_epoch", bookkeeping=self.epoch < len(fit.history))
         self._agree_on_record()
-        if checkpointing and fit.trained and (self.epoch + 1) % self.every == 0:
-            self._save(fit, inside_epoch=False)
-
-    def _save(self, fit: _Fit, inside_epoch: bool) -> None:
-        """Save step ``base + epoch``, at the epoch's end or after the training batch ``learn.iter``. A save inside an
-        epoch takes the number of the epoch's end, so every step after it is numbered one further."""
-        state = training_state(self.learn, fit.ordinal, fit.base, self._steps, inside_epoch)
-        mine = rank_state(self.learn)
-        if inside_epoch:
-            mine[EPOCH_START] = fit.epoch_start
-        with self._manager.saving(fit.base + self.epoch, {STATE: state}) as tx:
-            tx.save(mine, rng_file(topology.rank()))
-        if inside_epoch:
-            fit.base += 1
+        if checkpointing:
+            self._steps.end_epoch(self.learn, fit)
 
     def _agree_on_record(self) -> None:
         """Every rank's epoch record becomes rank 0's (one broadcast; a ``get_preds`` pass records nothing)."""
@@ -458,22 +333,13 @@ class RankSafe(Callback):
                 quiet_trackers(self.learn, fit.quiet, "after_fit")
             self._stop_checkpointing(fit, failed=False)
 
-    def _stop_checkpointing(self, fit: _Fit, failed: bool) -> None:
+    def _stop_checkpointing(self, fit: Fit, failed: bool) -> None:
         """Undo what checkpointing set up; wait for the write in flight, or after a failure just stop the writer."""
         fit.checkpointing = False
         put_back(fit.quiet, "after_epoch")  # a quiet after_fit stays until the trackers' after_fit is over
         self._release()
         end_resumed_epoch(self.learn)
-        for cb in (fit.skip, fit.boundary):
-            if cb is not None:
-                self.learn.remove_cb(cb)
-        if self._manager is None:  # making it failed: that error is the one to see
-            return
-        if failed:
-            self._manager.schedule.uninstall()
-            self._manager.shutdown()
-        else:
-            self._manager.close()  # collective: waits for the write in flight, raises its failure everywhere
+        self._steps.stop(self.learn, fit, failed)  # collective unless failed: raises a failed write everywhere
 
     def _end_fit(self, exc: BaseException | None) -> None:
         """The fit is over (every ``after_fit`` has run, or it raised ``exc``): drop its state and what it set."""
