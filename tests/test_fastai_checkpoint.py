@@ -26,6 +26,7 @@ import ranksafe
 from ranksafe import exchange as protocol
 from ranksafe.checkpoint import list_steps, read_manifest
 from ranksafe.fastai import RankSafe
+from ranksafe.fastai import steps as fastai_steps
 from tests.ranks import run_ranks
 from tests.test_fastai import Lin, params, tabular_dls
 
@@ -348,6 +349,30 @@ def test_resume_in_the_process_whose_fit_failed_continues_that_fit(tmp_path):
     assert _committed(tmp_path / "ckpt") == [1, 2]
     last = _saved(tmp_path / "ckpt", 2)
     assert (last["fit"], last["epoch"], last["step_base"]) == (0, 2, 0)
+
+
+def test_a_resume_whose_restore_failed_is_tried_again_by_the_next_fit(tmp_path, monkeypatch):
+    """A resume that raised while it restored the state leaves it pending: the next fit resumes, it does not start
+    afresh over a checkpoint it never applied."""
+    reference = _learner(tmp_path, 0, RankSafe(checkpoint_dir="reference"))
+    _fit(reference, 3)
+
+    cb = RankSafe(checkpoint_dir="ckpt")
+    run = _learner(tmp_path, 0, cb)
+    with pytest.raises(Interrupted):
+        _fit(run, 3, Crash(at=2))
+
+    def unreadable(learn, state):
+        raise OSError("the restore failed")
+
+    monkeypatch.setattr(fastai_steps, "restore", unreadable)
+    with pytest.raises(OSError, match="the restore failed"):
+        _fit(run.resume(), 3)
+    monkeypatch.undo()
+    assert cb.resume_pending
+    again = _fit(run, 3)
+    assert again.trained == [2] and not cb.resume_pending
+    assert params(run) == params(reference)
 
 
 def _one_cycle(learn, n, *cbs: Callback) -> Watch:

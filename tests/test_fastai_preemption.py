@@ -321,7 +321,10 @@ def test_one_process_a_signal_stops_the_fit_chains_the_handler_and_the_flag_goes
     assert callable(handler) and handler.__name__ == "<lambda>"  # the test's own, put back after the fit
     assert learn.preempted and trained == EVERY_BATCH[:10] and _position(tmp_path / "ckpt") == (1, 4)
     assert fit(learn) == []  # the process is to end: another fit trains nothing
-    assert load_learner(learn.export("preempted.pkl"), trusted=True).preempted  # the Learner without its data
+    exported = load_learner(learn.export("preempted.pkl"), trusted=True)
+    assert exported.preempted  # the Learner without its data
+    exported.dls = learn.dls
+    assert fit(exported) == []  # unpickled, with no manager yet: it trains nothing either
     learn.remove_cb(RankSafe)
     assert "preempted" not in vars(learn)
 

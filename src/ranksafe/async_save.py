@@ -138,8 +138,10 @@ class AsyncSaver:
         # the unreported failure, in a cell shared with a finalizer: a saver dropped unchecked still reports it
         self._failure: list[BaseException | None] = [None]
         weakref.finalize(self, _report_unchecked, self._failure).atexit = False  # at exit: _wait_at_exit
-        self.notice = StepNotice(f"{name}: background failure")  # what poll() reads, once per step
-        self.carried_by: StepNotice | None = None  # the notice this rank posted its failure in, not yet acted on
+        # read and set by ranksafe.saver_failures only: the notice poll() reads once per step, and the one this
+        # rank posted its failure in that no rank has acted on yet
+        self.notice = StepNotice(f"{name}: background failure")
+        self.carried_by: StepNotice | None = None
         self._fresh_threads()
         _live.add(self)
 
@@ -330,12 +332,13 @@ class AsyncSaver:
         check_savers([self], self.name)
 
     def take_error(self) -> BaseException | None:
-        """This rank's unreported failure, now marked as reported; local. :func:`check_savers` shares it."""
+        """This rank's unreported failure, now marked as reported; local. :func:`~ranksafe.saver_failures.check_savers`
+        shares it."""
         with self._error_lock:
             err, self._failure[0] = self._failure[0], None
         return err
 
-    def put_back(self, err: BaseException) -> None:
+    def restore_error(self, err: BaseException) -> None:
         """Mark ``err`` unreported again (its exchange failed), unless a newer failure took its place."""
         with self._error_lock:
             if self._failure[0] is None:

@@ -200,13 +200,14 @@ def atomic_save(
 
 def save_file(
     obj: Any,
-    path: str,
+    path: str | os.PathLike,
     storage_options: dict[str, Any] | None = None,
     action: str = "cannot save",
     **torch_save_kwargs: Any,
 ) -> str:
-    """The write every saver makes: :func:`atomic_save` into a parent directory made if ``path`` is local, an
-    ``OSError`` naming ``path`` and the rank (``"{action} {path} (rank r): ..."``). No collectives."""
+    """One checkpoint file, written as every saver of whole files writes it: :func:`atomic_save` into a parent
+    directory made if ``path`` is local, and an ``OSError`` naming ``path`` and the rank
+    (``"{action} {path} (rank r): ..."``). No collectives."""
     try:
         if not remote.is_url(path):
             make_dirs(os.path.dirname(os.path.abspath(path)))

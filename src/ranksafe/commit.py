@@ -183,7 +183,7 @@ def step_commit(final: Place) -> DirCommit:
 
 
 class StepWriter:
-    """What every rank holds inside :meth:`CheckpointManager.saving`: the step directory being written.
+    """What every rank holds inside :meth:`~ranksafe.CheckpointManager.saving`: the step directory being written.
 
     Files written through :meth:`save` are checksummed while they stream out, and their size and CRC travel to
     the writer for the manifest; files written directly into :attr:`path` (a local directory only) are hashed by

@@ -13,18 +13,13 @@ import pickle
 from dataclasses import dataclass
 from functools import cache
 
-from .topology import rank
-
-
-def where(path: str | os.PathLike) -> str:
-    """``path`` and this process's rank, as every error message names them."""
-    return f"{os.fspath(path)} (rank {rank()})"
+from . import remote
 
 
 def error_naming_target(e: OSError, action: str, path: str | os.PathLike) -> OSError:
     """The same kind of OSError, with a message that names the target (not a temporary) and the rank, and the
     target as its ``path`` (which :class:`RankFailure` carries to every rank)."""
-    msg = f"{action} {where(path)}: {e.strerror or e}"
+    msg = f"{action} {remote.where(path)}: {e.strerror or e}"
     error = type(e)(e.errno, msg) if e.errno is not None else type(e)(msg)
     error.path = os.fspath(path)
     return error

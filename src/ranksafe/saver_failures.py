@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 
 def check_savers(savers: Iterable[AsyncSaver], name: str = "async save", point: str = "check") -> None:
-    """:meth:`AsyncSaver.check` for several savers at the price of one exchange; collective.
+    """:meth:`~ranksafe.AsyncSaver.check` for several savers at the price of one exchange; collective.
 
     Raises :class:`~ranksafe.RankFailure` on every rank if a background write of any of them failed on any
     rank. One failure per call is reported (the first saver's); another saver's stays pending for the next.
@@ -42,12 +42,12 @@ def check_savers(savers: Iterable[AsyncSaver], name: str = "async save", point: 
         share_outcome(f"{name}: {point}", err)
     except (BarrierTimeout, CollectiveMismatch):
         if owner is not None:
-            owner.put_back(err)
+            owner.restore_error(err)
         raise
 
 
 def poll_savers(savers: Sequence[AsyncSaver]) -> None:
-    """:meth:`AsyncSaver.poll` for several savers at the price of one store read; every rank, once per step.
+    """:meth:`~ranksafe.AsyncSaver.poll` for several savers at the price of one store read; every rank, once per step.
 
     The first saver's notice carries a failure of any of them: pass the same savers in the same order at every
     step, and do not also poll the first one on its own. One failure is posted at a time; another stays

@@ -14,7 +14,7 @@ from . import remote, topology
 from .checkpoint_file import load_file, save_file
 from .choice import Choice
 from .collectives import barrier, together
-from .errors import error_naming_target, where
+from .errors import error_naming_target
 from .files import local_path, make_dirs
 from .sharded import refuse_sharded
 
@@ -122,10 +122,12 @@ def prepare_dir(
                 return path
             if os.path.isdir(path) and os.listdir(path):
                 if not overwrite:
-                    raise FileExistsError(f"{where(path)} exists and is not empty; pass overwrite=True to replace it")
+                    raise FileExistsError(
+                        f"{remote.where(path)} exists and is not empty; pass overwrite=True to replace it"
+                    )
                 shutil.rmtree(path)
             elif os.path.exists(path) and not os.path.isdir(path):
-                raise NotADirectoryError(f"{where(path)} exists and is not a directory")
+                raise NotADirectoryError(f"{remote.where(path)} exists and is not a directory")
             make_dirs(path)
     return path
 
@@ -133,6 +135,6 @@ def prepare_dir(
 def _prepare_remote(target: remote.Remote, overwrite: bool) -> None:
     if target.names():
         if not overwrite:
-            raise FileExistsError(f"{where(target.url)} is not empty; pass overwrite=True to replace it")
+            raise FileExistsError(f"{remote.where(target.url)} is not empty; pass overwrite=True to replace it")
         target.remove()
     target.fs.makedirs(target.path, exist_ok=True)

@@ -219,13 +219,14 @@ def _from_groups(groups: dict[int, frozenset[int]], directory: str) -> Placement
 
 def probe_root(base: Place, storage_options: dict[str, Any] | None = None) -> Remote | None:
     """Write and remove a small checkpoint at a root of checkpoints (an ``OSError`` names it); on remote storage,
-    leave an object there for :func:`check_every_rank_sees`, and return it. The writer's part of a warmup."""
+    leave an object there for :func:`check_every_rank_sees`, and return it. Local: the writer's part of a warmup
+    (unlike :func:`probe`, it asks whether the root can be written, not who shares it)."""
     root = name_of(base)
     try:
         probe_write(root, storage_options)
         if not isinstance(base, Remote):
             return None
-        probe = base.child(f".ranksafe-probe-{os.getpid()}")
+        probe = base.child(f"{PROBE_PREFIX}{os.getpid()}")
         with open_for_commit(probe) as f:
             f.write(b"probe")
         return probe

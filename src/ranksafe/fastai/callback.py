@@ -217,10 +217,11 @@ class RankSafe(Callback):
 
     def _start_checkpointing(self, fit: Fit) -> None:
         if self._steps is None:
-            self._steps = FitSteps(self._open_manager, self.every, self._scheduled)
+            self._steps = FitSteps(self._open_manager)
         if self._scheduled and not self._preempted:
             fit.boundary = _StepBoundary(self)
             self.learn.add_cb(fit.boundary)
+        # a resume that raised stays pending: the next fit tries it again rather than start afresh over its checkpoint
         self.resume_pending = self._steps.start(self.learn, fit, self._preempted, self.resume_pending)
 
     def _open_manager(self) -> CheckpointManager:
@@ -249,7 +250,7 @@ class RankSafe(Callback):
         taken inside, go on from the batch after the saved one."""
         any_backend([self.learn.dl])
         if self._fit is not None and self._fit.checkpointing:
-            self._steps.start_training(self.learn, self._fit)
+            self._steps.start_training(self.learn, self._fit, keep_epoch_start=self._scheduled)
 
     def after_train(self) -> None:
         """The resumed epoch's training pass is over: later passes iterate whole."""
@@ -310,8 +311,8 @@ class RankSafe(Callback):
         if checkpointing and not fit.trained and self.epoch != fit.tracked_epoch:
             quiet_trackers(self.learn, fit.quiet, "after_epoch", bookkeeping=self.epoch < len(fit.history))
         self._agree_on_record()
-        if checkpointing:
-            self._steps.end_epoch(self.learn, fit)
+        if checkpointing and fit.trained and (self.epoch + 1) % self.every == 0:
+            self._steps.save(self.learn, fit, inside_epoch=False)
 
     def _agree_on_record(self) -> None:
         """Every rank's epoch record becomes rank 0's (one broadcast; a ``get_preds`` pass records nothing)."""
@@ -335,10 +336,11 @@ class RankSafe(Callback):
 
     def _stop_checkpointing(self, fit: Fit, failed: bool) -> None:
         """Undo what checkpointing set up; wait for the write in flight, or after a failure just stop the writer."""
-        fit.checkpointing = False
         put_back(fit.quiet, "after_epoch")  # a quiet after_fit stays until the trackers' after_fit is over
         self._release()
         end_resumed_epoch(self.learn)
+        if fit.boundary is not None:
+            self.learn.remove_cb(fit.boundary)
         self._steps.stop(self.learn, fit, failed)  # collective unless failed: raises a failed write everywhere
 
     def _end_fit(self, exc: BaseException | None) -> None:

@@ -3,7 +3,7 @@
 
 :class:`FitSteps` decides nothing itself: the manager says when to save inside epochs (its schedule, asked on every
 rank at each step boundary) and when a preemption stops the fit. It turns those answers into fastai's terms: the
-training state (:mod:`.training_state`) and each rank's generators as a step, at the end of every ``every``-th epoch
+training state (:mod:`.training_state`) and each rank's generators as a step, at the end of an epoch
 and inside epochs; each fit's steps numbered after the newest committed one; and a resume that skips what the
 checkpoint had trained, whole epochs through fastai's ``SkipToEpoch`` and the batches of an epoch saved inside it
 through :mod:`.mid_epoch`.
@@ -46,10 +46,11 @@ from .training_state import (
 class Fit:
     """What RankSafe holds for the fit in progress: made at the fit's ``before_fit``, dropped when it is over."""
 
+    # RankSafe's: its own events, the guards, the lock (RankSafe also adds and removes the step boundary)
     guarded: list[tuple[Callback, str]]  # other callbacks' events made rank-safe for this fit (guards.guard)
     quiet: list[tuple[Callback, str]] = field(default_factory=list)  # trackers' events kept quiet (quiet_trackers)
     epoch: int = 0  # the fit's epoch: a validate pass inside the fit sets learn.epoch to 0
-    # checkpointing: a training fit with checkpoint_dir (not lr_find)
+    # FitSteps': a training fit with checkpoint_dir (not lr_find), set and cleared by its start and stop
     checkpointing: bool = False
     ordinal: int = 0  # which checkpointing fit of the process this is: a re-run script finds its place with it
     base: int = 0  # the step number of the fit's epoch 0
@@ -68,15 +69,12 @@ class Fit:
 
 class FitSteps:
     """The manager steps of one :class:`~ranksafe.fastai.RankSafe`: what its events call in a checkpointing fit, on
-    every rank.
-
-    ``open_manager`` makes the manager at the first such fit (the Learner's path is known then); ``every``: save at
-    the end of every this many epochs; ``scheduled``: the manager may also ask for a save at any step boundary.
+    every rank. ``open_manager`` makes the manager at the first such fit (the Learner's path is known then). When to
+    save at an epoch's end, and whether to keep each epoch's generators for saves inside it, the callback decides.
     """
 
-    def __init__(self, open_manager: Callable[[], CheckpointManager], every: int, scheduled: bool) -> None:
+    def __init__(self, open_manager: Callable[[], CheckpointManager]) -> None:
         self._open_manager = open_manager
-        self.every, self.scheduled = every, scheduled
         self.manager: CheckpointManager | None = None
         self.fits = 0  # the checkpointing fits of this process so far
         self.optimizer_steps = 0  # of the run, counted at step boundaries (a resume takes the checkpoint's)
@@ -140,24 +138,26 @@ class FitSteps:
 
     def start_epoch(self, learn: Learner, fit: Fit) -> None:
         """At ``before_epoch``: an epoch a resume skips gets its saved record, for the Recorder to log as the run that
-        trained it did; then every rank meets, and a failed background write is raised on every rank. Collective."""
+        trained it did; then every rank meets, and a failed background write is raised on every rank. Collective
+        (no manager: a fit skipped after a preemption by a callback unpickled from another process)."""
         if fit.resumption is not None and fit.resumption.epoch == learn.epoch:
             skip_done_batches(learn, fit.resumption)
         recorder = getattr(learn, "recorder", None)
         if recorder is not None and learn.epoch < len(fit.history):
             recorder.log = L(learn.epoch, *fit.history[learn.epoch])
         fit.trained = False
-        self.manager.check()
+        if self.manager is not None:
+            self.manager.check()
 
-    def start_training(self, learn: Learner, fit: Fit) -> None:
-        """At ``before_train``: with saves inside epochs, keep the generators of the epoch's start; in the epoch a
-        checkpoint was taken inside, go on from the batch after the saved one."""
+    def start_training(self, learn: Learner, fit: Fit, keep_epoch_start: bool) -> None:
+        """At ``before_train``: in the epoch a checkpoint was taken inside, go on from the batch after the saved one;
+        in another, with ``keep_epoch_start`` (saves may come inside it), keep the generators of the epoch's start."""
         fit.trained = True
         if fit.resumption is not None and fit.resumption.epoch == learn.epoch:
             at, fit.resumption = fit.resumption, None
             restore_epoch_start(learn, at)
             fit.epoch_start = at.epoch_start
-        elif self.scheduled:
+        elif keep_epoch_start:
             fit.epoch_start = generators(learn)
 
     def step_boundary(self, learn: Learner, fit: Fit) -> bool:
@@ -167,11 +167,6 @@ class FitSteps:
         if self.manager.should_save(self.optimizer_steps):
             self.save(learn, fit, inside_epoch=True)
         return self.manager.preempted
-
-    def end_epoch(self, learn: Learner, fit: Fit) -> None:
-        """At ``after_epoch``, once the record is agreed: the epoch's step, if it trained and is an ``every``-th one."""
-        if fit.trained and (learn.epoch + 1) % self.every == 0:
-            self.save(learn, fit, inside_epoch=False)
 
     def save(self, learn: Learner, fit: Fit, inside_epoch: bool) -> None:
         """Save step ``base + epoch``, at the epoch's end or after the training batch ``learn.iter``. A save inside an
@@ -186,11 +181,11 @@ class FitSteps:
             fit.base += 1
 
     def stop(self, learn: Learner, fit: Fit, failed: bool) -> None:
-        """At the fit's end: take off the skipper and the step boundary; wait for the write in flight and raise its
-        failure on every rank (collective), or after a failure just stop the writer and the signal handlers."""
-        for cb in (fit.skip, fit.boundary):
-            if cb is not None:
-                learn.remove_cb(cb)
+        """At the fit's end: take off the epoch skipper; wait for the write in flight and raise its failure on every
+        rank (collective), or after a failure just stop the writer and the signal handlers."""
+        fit.checkpointing = False
+        if fit.skip is not None:
+            learn.remove_cb(fit.skip)
         if self.manager is None:  # making it failed: that error is the one to see
             return
         if failed:
