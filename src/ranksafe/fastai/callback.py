@@ -336,6 +336,7 @@ class RankSafe(Callback):
 
     def _stop_checkpointing(self, fit: Fit, failed: bool) -> None:
         """Undo what checkpointing set up; wait for the write in flight, or after a failure just stop the writer."""
+        fit.checkpointing = False
         put_back(fit.quiet, "after_epoch")  # a quiet after_fit stays until the trackers' after_fit is over
         self._release()
         end_resumed_epoch(self.learn)

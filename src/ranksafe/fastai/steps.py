@@ -46,16 +46,17 @@ from .training_state import (
 class Fit:
     """What RankSafe holds for the fit in progress: made at the fit's ``before_fit``, dropped when it is over."""
 
-    # RankSafe's: its own events, the guards, the lock (RankSafe also adds and removes the step boundary)
+    # RankSafe's own
     guarded: list[tuple[Callback, str]]  # other callbacks' events made rank-safe for this fit (guards.guard)
     quiet: list[tuple[Callback, str]] = field(default_factory=list)  # trackers' events kept quiet (quiet_trackers)
     epoch: int = 0  # the fit's epoch: a validate pass inside the fit sets learn.epoch to 0
-    # FitSteps': a training fit with checkpoint_dir (not lr_find), set and cleared by its start and stop
+    # checkpointing, mostly FitSteps': a training fit with checkpoint_dir (not lr_find). Set by FitSteps.start, cleared
+    # first thing when RankSafe stops checkpointing (so that a stop that raised is not run again at the fit's end)
     checkpointing: bool = False
     ordinal: int = 0  # which checkpointing fit of the process this is: a re-run script finds its place with it
     base: int = 0  # the step number of the fit's epoch 0
     trained: bool = False  # this epoch trained (an epoch a resume skips saves nothing)
-    holding: bool = False  # the optimizer step holds the write side of the state lock
+    holding: bool = False  # RankSafe's: the optimizer step holds the write side of the state lock
     # resuming: the epochs before the checkpoint are skipped
     skip: SkipToEpoch | None = None  # fastai's epoch skipper
     history: list = field(default_factory=list)  # the recorded values of the epochs skipped
@@ -183,7 +184,6 @@ class FitSteps:
     def stop(self, learn: Learner, fit: Fit, failed: bool) -> None:
         """At the fit's end: take off the epoch skipper; wait for the write in flight and raise its failure on every
         rank (collective), or after a failure just stop the writer and the signal handlers."""
-        fit.checkpointing = False
         if fit.skip is not None:
             learn.remove_cb(fit.skip)
         if self.manager is None:  # making it failed: that error is the one to see
