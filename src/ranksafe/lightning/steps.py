@@ -63,7 +63,8 @@ class TrainerSteps:
         """Whether ``step`` holds sharded state (no ``state.pt``), decided alike on every rank: a file one rank does
         not see yet is there for all. Collective."""
         state = os.path.join(self.manager.step_dir(step), STATE)
-        return not agree(remote.exists(state), "any", name=f"plain step {step}", timeout=self.manager.timeout)
+        seen = remote.exists(state, self.manager.storage_options)
+        return not agree(seen, "any", name=f"plain step {step}", timeout=self.manager.timeout)
 
     # -- a fit -----------------------------------------------------------------------------------------------
 
