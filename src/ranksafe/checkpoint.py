@@ -23,6 +23,7 @@ state is snapshotted, and a background failure is raised on every rank by the ne
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
@@ -46,13 +47,14 @@ from .commit import (
     step_commit,
     verify_step,
 )
-from .errors import BarrierTimeout, CollectiveMismatch, CorruptCheckpoint, error_naming_target
+from .errors import error_naming_target
 from .files import local_path
 from .lock import StateDictLock
 from .remote import Remote
-from .retention import BestMode, Retention
+from .retention import BestMode, Retention, StepMetrics
 from .schedule import SaveSchedule
-from .sharded import StepShards, for_dcp, read_shards, refuse_sharded, require_shared, verify_shares
+from .sharded import StepShards, for_dcp, read_shards, refuse_sharded, require_shared
+from .step_agreement import committed_everywhere, verdict
 from .steps import StepDirs, StepInfo, check_step, list_steps
 from .storage import Placement, Storage, StorageKind, check_every_rank_sees, placement, probe_root
 
@@ -127,10 +129,10 @@ class CheckpointManager:
         self.root = name_of(self._base)
         self.storage_options = storage_options
         self.storage, self.prefix, self.timeout = storage, prefix, checked_timeout(timeout)
-        self._metrics: dict[int, dict[str, float]] = {}  # the writer's: each step's metrics, as its manifest has them
         self.loaded_step: int | None = None  # the step the last load() returned (after any fallback)
         self._loading: set[int] = set()
         self._dirs = StepDirs(self._base, prefix)
+        self._metrics = StepMetrics(self._dirs.place)  # the writer's: what ranks the steps for retention
         # writer="all": this manager, not the saver, decides who writes (the storage placement)
         self._saver = AsyncSaver(lock, writer="all", name="checkpoint") if async_save else None
         self.schedule.install()
@@ -330,7 +332,7 @@ class CheckpointManager:
                 tx.save(obj, name)
             try:
                 commit.finalize(build_manifest(commit.tmp, tx.step, tx.entries, tx.metrics))
-                self._metrics[tx.step] = dict(tx.metrics)
+                self._metrics.record(tx.step, tx.metrics)
             except OSError as e:
                 raise error_naming_target(e, f"cannot commit step {tx.step}:", name_of(commit.final)) from e
         except BaseException:
@@ -378,7 +380,8 @@ class CheckpointManager:
         :meth:`saving`.
         """
         shards = None if sharded else for_dcp(state)  # DTensors: every rank writes its part (ranksafe.sharded)
-        files = {**({} if sharded or shards is not None else {STATE: state}), **(extra_files or {})}
+        whole = not sharded and shards is None  # else no state.pt: every rank writes its own part of the state
+        files = {STATE: state, **(extra_files or {})} if whole else dict(extra_files or {})
         with self.saving(step, files, metrics, shards=shards) as tx:
             if sharded:
                 tx.save(state, _shard(topology.rank()))
@@ -386,35 +389,19 @@ class CheckpointManager:
 
     def _retain(self, newest: int) -> None:
         """Delete what :attr:`retention` no longer keeps, now that ``newest`` is committed (writers only)."""
-        for step in self.retention.doomed(self._dirs.committed(), newest, self._loading, self._metric):
+        metric = functools.partial(self._metrics.value, name=self.retention.best_metric)
+        for step in self.retention.doomed(self._dirs.committed(), newest, self._loading, metric):
             step_commit(self._dirs.place(step)).delete()  # no longer committed before its files go
-            self._metrics.pop(step, None)
-
-    def _metric(self, step: int) -> float | None:
-        """``step``'s value of the retention's ``best_metric``, from its manifest (read once)."""
-        if step not in self._metrics:
-            try:
-                metrics = read_manifest(self._dirs.place(step)).get("metrics")
-            except (OSError, CorruptCheckpoint):  # a damaged step is never the best
-                metrics = None
-            self._metrics[step] = metrics if isinstance(metrics, dict) else {}
-        value = self._metrics[step].get(self.retention.best_metric)  # type: ignore[arg-type]
-        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+            self._metrics.forget(step)
 
     # -- loading --------------------------------------------------------------------------------------
 
     def _common(self) -> list[int]:
-        """Steps committed on every writer's copy, newest first; one exchange, agreed. A writer that cannot list
-        its copy (a file in the way, an I/O error) fails every rank, in the same exchange."""
-        mine, error = None, None
-        if self.placement.writer:
+        """Steps committed on every writer's copy, newest first; agreed (:mod:`ranksafe.step_agreement`)."""
+        writer = self.placement.writer
+        if writer:
             self.wait()  # the step in flight, and the retention after it, are done before listing
-            try:
-                mine = self._dirs.committed()
-            except OSError as e:
-                error = error_naming_target(e, "cannot list the checkpoints in", self.root)
-        what = f"checkpoint {self.root}: steps"
-        return exchange_outcome("checkpoint: steps", mine, error, _newest_common, self.timeout, what=what)
+        return committed_everywhere(self._dirs, writer, self.root, self.timeout)
 
     def latest(self) -> int | None:
         """The newest step committed on every node, the same on every rank; ``None`` when there is none."""
@@ -458,7 +445,7 @@ class CheckpointManager:
         self._loading.update(candidates)  # retention must not delete what is being read
         try:
             for s in candidates:
-                bad = self._verify(s, split=into is not None)
+                bad = verdict(self._dirs.place(s), s, self.placement.writer, into is not None, self.timeout)
                 if bad is None:
                     break
                 if s == candidates[-1]:
@@ -524,29 +511,3 @@ class CheckpointManager:
             self._saver.close()
         else:
             share_outcome("checkpoint: close", None, self.timeout)
-
-    def _verify(self, step: int, split: bool = False) -> BaseException | None:
-        """The agreed verdict of the writers' deep check of ``step`` (``split``: every rank checks its share of
-        the files of a sharded step): None, or the error to raise everywhere."""
-        exc = None
-        if split or self.placement.writer:
-            try:
-                if split:
-                    verify_shares(self._dirs.place(step))
-                else:
-                    verify_step(self._dirs.place(step))
-            except Exception as e:  # whatever the writer met, every rank must hear of it in the exchange below
-                exc = e
-        try:
-            share_outcome(f"checkpoint {step}: verify", exc, self.timeout, what=f"verify step {step}")
-        except (BarrierTimeout, CollectiveMismatch):  # a rank missing says nothing about the step: no fallback
-            raise
-        except Exception as e:  # RankFailure; in a single process, the writer's own error
-            return e
-        return None
-
-
-def _newest_common(listed: list[list[int] | None]) -> list[int]:
-    """The steps every writer listed (non-writers list ``None``), newest first."""
-    sets = [set(steps) for steps in listed if steps is not None]
-    return sorted(set.intersection(*sets), reverse=True) if sets else []

@@ -1,6 +1,7 @@
 """Which committed steps a :class:`~ranksafe.CheckpointManager` keeps: the newest few, every ``keep_period``-th,
 and the best few by a metric. The writer applies it after each commit, never before: a step is deleted only once a
-newer one is committed, and never the newest, one being loaded, or one a rule keeps.
+newer one is committed, and never the newest, one being loaded, or one a rule keeps. :class:`StepMetrics` holds the
+values that rank the steps for ``best_metric``.
 """
 
 from __future__ import annotations
@@ -8,8 +9,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from .choice import Choice
+from .commit import read_manifest
+from .errors import CorruptCheckpoint
 from .options import positive_int
 
 
@@ -68,3 +72,35 @@ class Retention:
             if value is not None and not math.isnan(value):
                 scored.append((value if self.best_mode is BestMode.MIN else -value, -s))
         return [-s for _, s in sorted(scored)[: self.keep_best]]
+
+
+class StepMetrics:
+    """The metrics of committed steps, as their manifests record them: what ranks the steps for ``best_metric``.
+
+    The writer records a step's metrics when it commits it; a step committed by an earlier run is read from its
+    manifest once, at ``manifest_of(step)``'s place. A step whose manifest cannot be read has none: it is never
+    among the best. No collectives.
+    """
+
+    def __init__(self, manifest_of: Callable[[int], Any]) -> None:
+        self._manifest_of = manifest_of
+        self._by_step: dict[int, dict[str, Any]] = {}
+
+    def record(self, step: int, metrics: dict[str, float]) -> None:
+        """``step`` is committed with ``metrics``."""
+        self._by_step[step] = dict(metrics)
+
+    def forget(self, step: int) -> None:
+        """``step`` is deleted."""
+        self._by_step.pop(step, None)
+
+    def value(self, step: int, name: str | None) -> float | None:
+        """``step``'s value of metric ``name``, or None (no such metric, not a number, an unreadable manifest)."""
+        if step not in self._by_step:
+            try:
+                metrics = read_manifest(self._manifest_of(step)).get("metrics")
+            except (OSError, CorruptCheckpoint):
+                metrics = None
+            self._by_step[step] = metrics if isinstance(metrics, dict) else {}
+        value = self._by_step[step].get(name)  # type: ignore[arg-type]
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None

@@ -1,0 +1,55 @@
+"""What every rank agrees on about a root's steps before a load: which steps every writer's copy has committed, and
+whether a step verifies. Each is one exchange, and what a writer met there (a root it cannot list, a damaged file)
+is raised on every rank, or returned to every rank alike.
+"""
+
+from __future__ import annotations
+
+from .collectives import exchange_outcome, share_outcome
+from .commit import Place, verify_step
+from .errors import BarrierTimeout, CollectiveMismatch, error_naming_target
+from .sharded import verify_shares
+from .steps import StepDirs
+
+
+def committed_everywhere(dirs: StepDirs, writer: bool, root: str, timeout: float | None = None) -> list[int]:
+    """The steps committed on every writer's copy of ``dirs``, newest first, the same on every rank. A writer lists
+    its copy (``writer``); one that cannot (a file in the way, an I/O error) fails every rank. Collective."""
+    mine, error = None, None
+    if writer:
+        try:
+            mine = dirs.committed()
+        except OSError as e:
+            error = error_naming_target(e, "cannot list the checkpoints in", root)
+    what = f"checkpoint {root}: steps"
+    return exchange_outcome("checkpoint: steps", mine, error, _newest_common, timeout, what=what)
+
+
+def _newest_common(listed: list[list[int] | None]) -> list[int]:
+    """The steps every writer listed (non-writers list ``None``), newest first."""
+    sets = [set(steps) for steps in listed if steps is not None]
+    return sorted(set.intersection(*sets), reverse=True) if sets else []
+
+
+def verdict(
+    place: Place, step: int, writer: bool, split: bool = False, timeout: float | None = None
+) -> Exception | None:
+    """The agreed verdict on step ``step`` at ``place``: None, or the error every rank is to raise (or fall back on).
+    The writer checks every file against the manifest; with ``split`` (a sharded step) every rank checks its share of
+    the files instead. A rank missing from the exchange says nothing about the step: that raises. Collective."""
+    exc = None
+    if split or writer:
+        try:
+            if split:
+                verify_shares(place)
+            else:
+                verify_step(place)
+        except Exception as e:  # whatever the writer met, every rank must hear of it in the exchange below
+            exc = e
+    try:
+        share_outcome(f"checkpoint {step}: verify", exc, timeout, what=f"verify step {step}")
+    except (BarrierTimeout, CollectiveMismatch):
+        raise
+    except Exception as e:  # RankFailure; in a single process, the writer's own error
+        return e
+    return None
