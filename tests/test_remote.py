@@ -154,8 +154,9 @@ def test_manager_on_memory_commits_by_manifest_keeps_the_newest_and_ignores_debr
     memory.pipe_file("/run/step_00000004/state.pt", bytes(data))
     with pytest.raises(ranksafe.CorruptCheckpoint, match=r"step_00000004/state\.pt: checksum mismatch"):
         mgr.load()
-    with pytest.warns(RuntimeWarning, match="falling back to step 3"):
+    with pytest.warns(RuntimeWarning, match="falling back to step 3") as warned:
         assert mgr.load(fallback=True)["step"] == 3
+    assert warned[0].filename == __file__  # the warning points at the caller's load()
 
 
 def test_manager_on_memory_saves_in_the_background(memory):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import os
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
@@ -431,28 +432,12 @@ class CheckpointManager:
         """
         if into is not None and not isinstance(into, Mapping):
             raise TypeError(f"into must be a dict of state to load into, not {type(into).__name__}")
-        common = self._common()
+        candidates = self._candidates(step, fallback)
         if into is not None:
             require_shared(self.placement, self.root)
-        if step is not None:
-            if check_step(step) not in common:
-                raise FileNotFoundError(f"step {step} is not committed on every node under {self.root}")
-            candidates = [step]
-        elif not common:
-            raise FileNotFoundError(f"no committed checkpoint under {self.root}")
-        else:
-            candidates = common if fallback else common[:1]
         self._loading.update(candidates)  # retention must not delete what is being read
         try:
-            for s in candidates:
-                bad = verdict(self._dirs.place(s), s, self.placement.writer, into is not None, self.timeout)
-                if bad is None:
-                    break
-                if s == candidates[-1]:
-                    raise bad
-                previous = candidates[candidates.index(s) + 1]
-                warnings.warn(f"{bad}; falling back to step {previous}", RuntimeWarning, stacklevel=2)
-            result = None
+            s = self._first_good(candidates, sharded=into is not None)
             if into is not None:  # sharded: every rank reads its part in place (a failure is shared by DCP)
                 result = read_shards(into, name_of(self._dirs.place(s)), f"checkpoint {s}: load", weights_only)
             else:
@@ -463,6 +448,33 @@ class CheckpointManager:
             self._loading.difference_update(candidates)
         self.loaded_step = s
         return result
+
+    def _candidates(self, step: int | None, fallback: bool) -> list[int]:
+        """The steps :meth:`load` may read, in the order it tries them: ``step``, or the newest common one (and,
+        with ``fallback``, every older one). ``FileNotFoundError`` on every rank when there is none."""
+        common = self._common()
+        if step is not None:
+            if check_step(step) not in common:
+                raise FileNotFoundError(f"step {step} is not committed on every node under {self.root}")
+            return [step]
+        if not common:
+            raise FileNotFoundError(f"no committed checkpoint under {self.root}")
+        return common if fallback else common[:1]
+
+    def _first_good(self, candidates: list[int], sharded: bool) -> int:
+        """The first of ``candidates`` whose files every node verified (:func:`~ranksafe.step_agreement.verdict`). A
+        corrupt one is skipped with a warning while another is left, else its error is raised on every rank."""
+
+        def bad(s: int) -> Exception | None:
+            return verdict(self._dirs.place(s), s, self.placement.writer, sharded, self.timeout)
+
+        for s, older in itertools.pairwise(candidates):
+            if (error := bad(s)) is None:
+                return s
+            warnings.warn(f"{error}; falling back to step {older}", RuntimeWarning, stacklevel=3)
+        if (error := bad(candidates[-1])) is not None:
+            raise error
+        return candidates[-1]
 
     # -- background saves ------------------------------------------------------------------------------
 
