@@ -103,6 +103,21 @@ def test_doctor_creates_root_or_reports_the_file_in_its_way(tmp_path, capsys):
     assert (code, out) == (1, f"BAD {tmp_path / 'file' / 'root'}: {tmp_path / 'file'} is a file, not a directory\n")
 
 
+def test_doctor_of_a_url_measures_the_remote_store_and_writes_nothing_locally(tmp_path, monkeypatch, capsys):
+    import fsspec
+
+    monkeypatch.chdir(tmp_path)  # a URL taken for a path would make the folder "memory:" here
+    code, out = _cli(capsys, "doctor", "memory://doctor/run", "--megabytes", "1")
+    assert code == 0, out
+    assert "memory://doctor/run: shared" in out and "remote storage: every rank reaches the same objects" in out
+    assert re.search(r"rank 0: \d+ MiB/s", out)
+    assert os.listdir(tmp_path) == [] and fsspec.filesystem("memory").ls("/doctor/run") == []
+    code, out = _cli(capsys, "doctor", "nosuchscheme://bucket/run")
+    assert code == 1 and "(rank 0): no file system for nosuchscheme://" in out
+    assert out.startswith("BAD nosuchscheme://bucket/run: ") and out.count("\n") == 1
+    assert os.listdir(tmp_path) == []
+
+
 def test_doctor_under_torchrun_fails_on_every_rank_with_one_line(tmp_path):
     from tests.ranks import free_port
 

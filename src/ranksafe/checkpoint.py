@@ -57,7 +57,7 @@ from .schedule import SaveSchedule
 from .sharded import StepShards, for_dcp, read_shards, refuse_sharded, require_shared
 from .step_agreement import committed_everywhere, verdict
 from .steps import StepDirs, StepInfo, check_step, list_steps
-from .storage import Placement, Storage, StorageKind, check_every_rank_sees, placement, probe_root
+from .storage import Placement, Storage, check_every_rank_sees, placement, probe_root
 
 __all__ = [
     "MANIFEST",
@@ -122,8 +122,7 @@ class CheckpointManager:
             raise ValueError("root must name a directory, not ''")  # abspath('') would be the working directory
         storage = Storage(storage)
         if remote.is_url(root):
-            if storage is Storage.LOCAL:
-                raise ValueError(f"{remote.where(root)}: remote storage is shared by every rank, not storage='local'")
+            placement(root, storage)  # refuses storage="local" now, not at the first save
             self._base: Place = Remote.of(root, storage_options)
         else:
             self._base = os.path.abspath(os.path.expanduser(local_path(root)))  # ~ as ModelCheckpoint takes it
@@ -177,8 +176,6 @@ class CheckpointManager:
     def placement(self) -> Placement:
         """Who writes under ``root`` (a collective the first time, with ``storage="auto"``; remote storage is
         shared by every rank: rank 0 writes)."""
-        if isinstance(self._base, Remote):
-            return Placement(StorageKind.SHARED, topology.is_main(), None)
         return placement(self.root, self.storage, self.timeout)
 
     def step_dir(self, step: int) -> str:

@@ -3,8 +3,9 @@
 Run it the way the training runs (``torchrun --nproc_per_node=N -m ranksafe doctor ROOT``, ``srun ...``) so
 that it meets the same ranks, nodes and file systems. It reports the topology, whether ROOT is shared or
 node-local (and so who writes there), the latency of a barrier and an agreement, and ROOT's write bandwidth
-for an atomic, fsynced save. ROOT is created if missing, as a checkpoint save would. Only rank 0 prints; a
-problem with ROOT (a file in the way, no permission) is one ``BAD`` line and exit status 1, on every rank.
+for an atomic, fsynced save. ROOT is created if missing, as a checkpoint save would. ROOT may be a URL of remote
+storage (``s3://bucket/run``): shared by every rank, written by rank 0. Only rank 0 prints; a problem with ROOT (a
+file in the way, no permission, a bucket that does not exist) is one ``BAD`` line and exit status 1, on every rank.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import topology
+from . import remote, topology
 from .checkpoint_file import atomic_save
 from .collectives import agree, all_gather, barrier, together
 from .errors import RankSafeError
@@ -44,10 +45,10 @@ def _latency(fn, repeats: int = 20) -> float:
 
 def run(root: str, megabytes: int = 64) -> int:
     created = _init()
-    root = os.path.abspath(root)
     try:
+        root = remote.canonical(root)  # a URL stays one: made absolute, it would name a local folder "s3:"
         return _report(root, megabytes)
-    except (OSError, RankSafeError) as e:  # raised on every rank alike: the probes below are shared
+    except (OSError, ValueError, RankSafeError) as e:  # raised on every rank alike: the probes below are shared
         if topology.is_main():
             print(f"BAD {root}: {e.strerror if isinstance(e, OSError) and e.strerror else e}", file=sys.stderr)
         return 1
@@ -68,11 +69,15 @@ def _report(root: str, megabytes: int) -> int:
     with together("doctor: bandwidth", what=f"doctor: save to {root}"):
         if where.writer:
             state = {"probe": torch.zeros(megabytes * (1 << 20) // 4)}
-            path = os.path.join(make_dirs(root), f".ranksafe-doctor-{topology.rank()}.pt")
+            name = f".ranksafe-doctor-{topology.rank()}.pt"
+            path = f"{root}/{name}" if remote.is_url(root) else os.path.join(make_dirs(root), name)
             start = time.perf_counter()
             atomic_save(state, path)
             seconds = time.perf_counter() - start
-            os.unlink(path)
+            if remote.is_url(path):
+                remote.Remote.of(path).remove()
+            else:
+                os.unlink(path)
     speeds = all_gather(None if seconds is None else megabytes / seconds, name="doctor: bandwidth")
 
     if not topology.is_main():
@@ -83,7 +88,9 @@ def _report(root: str, megabytes: int) -> int:
         print(f"  rank {r['rank']:>3}  node {node}  local rank {r['local']}  host {r['host']}")
     writers = [r for r, s in enumerate(speeds) if s is not None]
     print(f"\n{root}: {where.kind}")
-    if world == 1:
+    if remote.is_url(root):
+        verdict = "remote storage: every rank reaches the same objects; global rank 0 writes"
+    elif world == 1:
         verdict = "one process: nothing to compare it with; run under the launcher, as training does"
     elif where.kind is StorageKind.SHARED:
         verdict = "every rank sees the same files: global rank 0 writes (writer='main', storage='shared')"

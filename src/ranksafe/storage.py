@@ -83,9 +83,14 @@ def placement(
 ) -> Placement:
     """Decide who writes ``directory``; collective the first time for ``storage="auto"``, cached after.
 
-    ``shared`` and ``local`` skip the probe (no collective, no file-system call): use them when you know.
+    ``shared`` and ``local`` skip the probe (no collective, no file-system call): use them when you know. A URL of
+    remote storage is one store that every rank reaches: global rank 0 writes, and ``local`` is refused.
     """
     storage = Storage(storage)
+    if remote.is_url(directory):
+        if storage is Storage.LOCAL:
+            raise ValueError(f"{remote.where(directory)}: remote storage is shared by every rank, not storage='local'")
+        return Placement(StorageKind.SHARED, topology.is_main(), None)
     if storage is Storage.SHARED:
         return Placement(StorageKind.SHARED, topology.is_main(), None)
     if storage is Storage.LOCAL:
