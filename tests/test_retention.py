@@ -55,6 +55,19 @@ _KILLED = textwrap.dedent(
 )
 
 
+def test_the_contracts_positional_arguments_mean_what_it_says(tmp_path):
+    # CheckpointManager(root, keep, storage, async_save, ...) and .save(step, state, metrics): a dict passed third
+    # is the step's metrics, which rank it for retention, never a side file
+    mgr = ranksafe.CheckpointManager(tmp_path, 1, "shared", False, None, None, None, "loss", "min", 1)
+    for step, loss in [(1, 0.5), (2, 0.9), (3, 0.8)]:
+        mgr.save(step, {"w": torch.ones(1)}, {"loss": loss})
+    assert sorted(os.listdir(tmp_path)) == ["step_00000001", "step_00000003"]  # the best and the newest
+    assert sorted(os.listdir(tmp_path / "step_00000001")) == ["MANIFEST.json", "state.pt"]
+    assert ranksafe.verify_step(tmp_path / "step_00000001")["metrics"] == {"loss": 0.5}
+    with pytest.raises(TypeError):  # the rest is keyword-only: no positional prefix or timeout taken for another
+        ranksafe.CheckpointManager(tmp_path, 1, "shared", False, None, None, None, None, "min", 0, False, "step_")
+
+
 def test_the_best_newest_and_period_steps_survive_a_writer_killed_mid_save(tmp_path):
     root = tmp_path / "ckpt"
     mgr = ranksafe.CheckpointManager(root, keep=2, keep_period=5, best_metric="val_loss", keep_best=1)

@@ -102,19 +102,19 @@ class CheckpointManager:
         root: str | os.PathLike,
         keep: int | None = 3,
         storage: Storage | str = Storage.AUTO,
-        prefix: str = "step_",
-        timeout: float | None = None,
         async_save: bool = False,
-        lock: StateDictLock | None = None,
-        storage_options: dict[str, Any] | None = None,
-        *,
+        save_interval_steps: int | None = None,
+        save_interval_seconds: float | None = None,
         keep_period: int | None = None,
         best_metric: str | None = None,
         best_mode: BestMode | str = BestMode.MIN,
         keep_best: int = 0,
-        save_interval_steps: int | None = None,
-        save_interval_seconds: float | None = None,
         preemption: bool | Iterable[int] = False,
+        *,
+        prefix: str = "step_",
+        timeout: float | None = None,
+        lock: StateDictLock | None = None,
+        storage_options: dict[str, Any] | None = None,
     ):
         self.retention = Retention(keep, keep_period, best_metric, best_mode, keep_best)
         self.schedule = SaveSchedule(save_interval_steps, save_interval_seconds, preemption, f"checkpoint {prefix}")
@@ -356,9 +356,10 @@ class CheckpointManager:
         self,
         step: int,
         state: Any,
+        metrics: Mapping[str, float] | None = None,
+        *,
         extra_files: Mapping[str, Any] | None = None,
         sharded: bool = False,
-        metrics: Mapping[str, float] | None = None,
     ) -> str:
         """Save ``state`` as step ``step``; collective. Returns the committed step directory.
 
