@@ -218,6 +218,46 @@ def test_file_too_large_keeps_the_committed_file(tmp_path):
     assert _debris(tmp_path) == []
 
 
+_LINK_FSIZE_CHILD = textwrap.dedent(
+    """
+    import os, resource, signal, sys
+    from ranksafe.files import atomic_link
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit, write() fails with EFBIG instead
+    def no_symlinks(*args):  # a file system without symlinks: the link is a copy
+        raise PermissionError(1, "Operation not permitted")
+    os.symlink = no_symlinks
+    resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[3]),) * 2)
+    try:
+        atomic_link(sys.argv[1], sys.argv[2])
+    except OSError as e:
+        print("ERR", e.errno)
+    """
+)
+
+
+def _no_symlinks(*args):
+    raise PermissionError(1, "Operation not permitted")
+
+
+def test_a_link_is_a_relative_symlink_or_a_whole_copy_committed_over_the_old_one(tmp_path, monkeypatch):
+    old, new, last = tmp_path / "epoch=0.ckpt", tmp_path / "epoch=1.ckpt", tmp_path / "last.ckpt"
+    old.write_bytes(b"old" * 100_000)
+    new.write_bytes(b"new" * 100_000)
+    ranksafe.files.atomic_link(str(old), str(last))
+    ranksafe.files.atomic_link(str(new), str(last))
+    assert os.readlink(last) == "epoch=1.ckpt" and sorted(os.listdir(tmp_path)) == [old.name, new.name, last.name]
+    # without symlinks, a copy; one cut short by a full disk (RLIMIT_FSIZE) never replaces the last good link
+    out = subprocess.run(
+        [sys.executable, "-c", _LINK_FSIZE_CHILD, str(old), str(last), "100000"], capture_output=True, text=True
+    )
+    assert "ERR 27" in out.stdout, out.stderr  # EFBIG, even for root
+    assert last.read_bytes() == new.read_bytes() and sorted(os.listdir(tmp_path)) == [old.name, new.name, last.name]
+    monkeypatch.setattr(os, "symlink", _no_symlinks)
+    ranksafe.files.atomic_link(str(old), str(last))
+    assert not last.is_symlink() and last.read_bytes() == old.read_bytes()
+    assert sorted(os.listdir(tmp_path)) == [old.name, new.name, last.name]
+
+
 # --- SIGKILL during a save: the previous checkpoint survives ---------------------------------------------
 
 _KILL_CHILD = textwrap.dedent(

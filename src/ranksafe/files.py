@@ -155,6 +155,12 @@ def clean_orphans(directory: str | os.PathLike, prefix: str = "") -> list[str]:
     return removed
 
 
+def _temporary(directory: str, name: str) -> str:
+    """A new temporary's path beside ``directory/name``: hidden, unpredictable, and named after its writer's host
+    and process, so that :func:`clean_orphans` can tell a crashed writer's from a live one's."""
+    return os.path.join(directory, f".{name}.{_host_tag()}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}")
+
+
 class AtomicFile:
     """The commit protocol for one file: temporary beside the target, fsync, rename, fsync directory.
 
@@ -172,8 +178,7 @@ class AtomicFile:
         if os.path.isdir(self.target):
             raise IsADirectoryError(f"cannot write {self.target}: it is a directory")
         clean_orphans(self.directory)  # of any file here: a crashed epoch_3.pth is never written again
-        tag = f".{self.name}.{_host_tag()}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
-        self.tmp = os.path.join(self.directory, tag)
+        self.tmp = _temporary(self.directory, self.name)
         try:
             fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError as e:
@@ -245,18 +250,27 @@ def atomic_write(
 
 def atomic_link(target: str, linkpath: str) -> None:
     """Point ``linkpath`` at ``target``: a relative symlink, or a copy where links are not allowed (on remote
-    storage, a copy made by the store). Made beside ``linkpath`` and renamed over it, so the link is never missing."""
+    storage, a copy made by the store). Either is made under a temporary name beside ``linkpath`` and committed
+    over it as :class:`AtomicFile` commits a file, so the link is never missing, nor a copy torn by a crash."""
     if remote.is_url(linkpath):
         link = remote.Remote.of(linkpath)
         link.fs.copy(remote.Remote.of(target).path, link.path)
         return
+    linkpath = os.path.abspath(linkpath)
     if os.path.isdir(linkpath) and not os.path.islink(linkpath):
         shutil.rmtree(linkpath)
-    temporary = f"{linkpath}.ranksafe-link"
-    if os.path.lexists(temporary):
-        os.remove(temporary)
+    directory, name = os.path.split(linkpath)
+    temporary = _temporary(directory, name)
     try:
-        os.symlink(os.path.relpath(target, os.path.dirname(linkpath)), temporary)
-    except OSError:
-        shutil.copy(target, temporary)
-    os.replace(temporary, linkpath)
+        os.symlink(os.path.relpath(target, directory), temporary)
+    except OSError:  # no symlinks here (some network and FAT file systems): a copy, fsynced before it is renamed
+        with open(target, "rb") as source, atomic_write(linkpath) as copy:
+            shutil.copyfileobj(source, copy, BUFFER_SIZE)
+        return
+    try:
+        os.replace(temporary, linkpath)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+    fsync_dir(directory)
