@@ -132,3 +132,17 @@ def test_doctor_under_torchrun_fails_on_every_rank_with_one_line(tmp_path):
     assert len(bad) == 1 and "is a file, not a directory" in bad[0], out.stdout + out.stderr[-3000:]
     ranks_output = out.stderr.split("torch/distributed/elastic")[0]  # what the ranks printed, before torchrun's report
     assert "Traceback" not in out.stdout + ranks_output
+
+
+def test_doctor_under_torchrun_refuses_a_url_that_each_process_holds_apart(tmp_path):
+    from tests.ranks import free_port
+
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={free_port()}",
+         "-m", "ranksafe", "doctor", "memory://doctor/run", "--megabytes", "1"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode != 0  # memory:// lives in one process: rank 1 does not see what rank 0 wrote
+    bad = [line for line in (out.stdout + out.stderr).splitlines() if "BAD " in line]
+    assert len(bad) == 1 and "does not see what rank 0 wrote there" in bad[0], out.stdout + out.stderr[-3000:]
+    assert "verdict" not in out.stdout and os.listdir(tmp_path) == []

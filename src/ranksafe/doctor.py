@@ -23,7 +23,7 @@ from .checkpoint_file import atomic_save
 from .collectives import agree, all_gather, barrier, together
 from .errors import RankSafeError
 from .files import make_dirs
-from .storage import StorageKind, placement
+from .storage import StorageKind, check_every_rank_sees, placement
 
 
 def _init() -> bool:
@@ -65,7 +65,7 @@ def _report(root: str, megabytes: int) -> int:
     barrier_ms = _latency(lambda: barrier("doctor"))
     agree_ms = _latency(lambda: agree(1.0, "max", name="doctor"))
 
-    seconds = None
+    seconds, written = None, None
     with together("doctor: bandwidth", what=f"doctor: save to {root}"):
         if where.writer:
             state = {"probe": torch.zeros(megabytes * (1 << 20) // 4)}
@@ -75,9 +75,11 @@ def _report(root: str, megabytes: int) -> int:
             atomic_save(state, path)
             seconds = time.perf_counter() - start
             if remote.is_url(path):
-                remote.Remote.of(path).remove()
+                written = remote.Remote.of(path)
             else:
                 os.unlink(path)
+    if remote.is_url(root):  # every rank must reach the object rank 0 wrote (memory:// lives in one process)
+        check_every_rank_sees(remote.Remote.of(root), written)  # and it is removed
     speeds = all_gather(None if seconds is None else megabytes / seconds, name="doctor: bandwidth")
 
     if not topology.is_main():
