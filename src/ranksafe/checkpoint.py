@@ -200,7 +200,7 @@ class CheckpointManager:
             require_shared(where, self.root)
         with together(f"checkpoint {self.root}: warmup", self.timeout):
             if where.writer:
-                probe = probe_root(self._base, self.storage_options)
+                probe = probe_root(self._base)
             if self._saver is not None and example_state is not None and (where.writer or shards is not None):
                 self._saver.staging.capture(example_state if shards is None else shards)
         if isinstance(self._base, Remote):

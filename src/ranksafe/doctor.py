@@ -70,13 +70,13 @@ def _report(root: str, megabytes: int) -> int:
         if where.writer:
             state = {"probe": torch.zeros(megabytes * (1 << 20) // 4)}
             name = f".ranksafe-doctor-{topology.rank()}.pt"
-            path = f"{root}/{name}" if remote.is_url(root) else os.path.join(make_dirs(root), name)
+            if remote.is_url(root):
+                written = remote.Remote.of(root).child(name)
+            path = os.path.join(make_dirs(root), name) if written is None else written.url
             start = time.perf_counter()
             atomic_save(state, path)
             seconds = time.perf_counter() - start
-            if remote.is_url(path):
-                written = remote.Remote.of(path)
-            else:
+            if written is None:
                 os.unlink(path)
     if remote.is_url(root):  # every rank must reach the object rank 0 wrote (memory:// lives in one process)
         check_every_rank_sees(remote.Remote.of(root), written)  # and it is removed

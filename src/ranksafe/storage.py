@@ -23,7 +23,6 @@ import errno
 import os
 import secrets
 from dataclasses import dataclass
-from typing import Any
 
 from . import remote, topology
 from .checkpoint_file import probe_write
@@ -90,7 +89,7 @@ def placement(
     if remote.is_url(directory):
         if storage is Storage.LOCAL:
             raise ValueError(f"{remote.where(directory)}: remote storage is shared by every rank, not storage='local'")
-        return Placement(StorageKind.SHARED, topology.is_main(), None)
+        storage = Storage.SHARED
     if storage is Storage.SHARED:
         return Placement(StorageKind.SHARED, topology.is_main(), None)
     if storage is Storage.LOCAL:
@@ -222,14 +221,15 @@ def _from_groups(groups: dict[int, frozenset[int]], directory: str) -> Placement
     return Placement(kind, topology.is_local_main() and node == min(mine), mine)
 
 
-def probe_root(base: Place, storage_options: dict[str, Any] | None = None) -> Remote | None:
-    """Write and remove a small checkpoint at a root of checkpoints (an ``OSError`` names it); on remote storage,
-    leave an object there for :func:`check_every_rank_sees`, and return it. Local: the writer's part of a warmup
-    (unlike :func:`probe`, it asks whether the root can be written, not who shares it)."""
+def probe_root(base: Place) -> Remote | None:
+    """Whether a root of checkpoints can be written (an ``OSError`` names it): locally, a small checkpoint written
+    and removed; on remote storage, one object uploaded as a checkpoint is and left there for
+    :func:`check_every_rank_sees`, which removes it (returned). Local: the writer's part of a warmup (unlike
+    :func:`probe`, it asks whether the root can be written, not who shares it)."""
     root = name_of(base)
     try:
-        probe_write(root, storage_options)
         if not isinstance(base, Remote):
+            probe_write(root)
             return None
         probe = base.child(f"{PROBE_PREFIX}{os.getpid()}")
         with open_for_commit(probe) as f:
