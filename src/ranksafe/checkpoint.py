@@ -259,11 +259,8 @@ class CheckpointManager:
             with together(f"checkpoint {step}: commit", self.timeout):
                 if where.writer:
                     self._commit(commit, tx, writer_files)
-                    self._retain(newest=step)
         elif where.writer and part is None:  # the snapshot of writer_files is taken now; check() reports a failure
-            self._saver.submit(
-                writer_files, lambda snapshot: self._commit(commit, tx, snapshot), lambda _: self._retain(newest=step)
-            )
+            self._saver.submit(writer_files, functools.partial(self._commit, commit, tx))
 
     def _open(
         self, step: int, where: Placement, writer_files: Mapping[str, Any], metrics: Mapping | None, sharded: bool
@@ -320,10 +317,11 @@ class CheckpointManager:
         self.schedule.saved()
 
     def _commit(self, commit: DirCommit, tx: StepWriter, writer_files: Mapping[str, Any]) -> str:
-        """Writer-local, no collectives: write ``writer_files`` and commit the step; return its directory.
+        """Writer-local, no collectives: write ``writer_files``, commit the step, then apply retention
+        (:meth:`_retain`, only once the step is committed); return its directory.
 
         Everything a background saver has to run for a step, once the directory is open and every rank's
-        side files are in. Retention (:meth:`_retain`) comes after, and only once this returned.
+        side files are in.
         """
         try:
             for name, obj in writer_files.items():
@@ -336,18 +334,14 @@ class CheckpointManager:
         except BaseException:
             commit.abort()
             raise
+        self._retain(newest=tx.step)
         return name_of(commit.final)
 
     def _shards(self, shards: dict[str, Any], commit: DirCommit, tx: StepWriter, writer: bool) -> StepShards:
         """The sharded part of step ``tx.step`` (:class:`~ranksafe.sharded.StepShards`); with ``async_save`` the
-        writer commits and applies retention on the saver's thread once every rank's part is written."""
-
-        def commit_in_background(writer_files: Mapping[str, Any]) -> str:
-            committed = self._commit(commit, tx, writer_files)
-            self._retain(newest=tx.step)
-            return committed
-
+        writer commits (:meth:`_commit`) on the saver's thread once every rank's part is written."""
         timeout = self.timeout or default_timeout()
+        commit_in_background = functools.partial(self._commit, commit, tx)
         return StepShards(
             shards, tx.path, tx.step, tx.entries, writer, commit.abort, self._saver, commit_in_background, timeout
         )
