@@ -110,8 +110,9 @@ class Flattened:
         self._clothes: dict[int, Clothes] = {}  # by slot: how a staged copy is dressed, read now, not at assembly
         self._containers: set[int] = set()  # ids of the containers this walk made: the ones assembly fills in
         self._memo: dict[int, Any] = {}  # deepcopy's: an object met twice is copied once
-        self._alias_of: dict[int, int] | None = None  # set by let_go, from the originals
         self.skeleton = self.walk(state)
+        # which slots hold one object: ids taken while every original is alive, compared once assembled
+        self._ids = list(map(id, self.originals))
 
     def walk(self, obj: Any) -> Any:
         """The copy of ``obj``, tensors replaced by slots."""
@@ -173,18 +174,17 @@ class Flattened:
 
     def _aliases(self) -> dict[int, int]:
         """Slots whose tensor is the very object of an earlier slot (their first): one object in the state stays
-        one object in the snapshot. Telling them apart as they come would cost a lookup per tensor."""
-        ids = list(map(id, self.originals))
-        if len(set(ids)) == len(ids):
+        one object in the snapshot. Worked out at assembly, off the caller's clock, not with a lookup per tensor
+        during the walk."""
+        if len(set(self._ids)) == len(self._ids):
             return {}
         first: dict[int, int] = {}
-        return {i: first[x] for i, x in enumerate(ids) if first.setdefault(x, i) != i}
+        return {i: first[x] for i, x in enumerate(self._ids) if first.setdefault(x, i) != i}
 
     def let_go(self) -> None:
         """Once the sources are copied: drop every reference to the live state (the sources, the originals, and
         deepcopy's memo, which keeps alive what it copied), so that a snapshot waiting for its writer keeps no
-        tensor of training alive. Which slots repeat an earlier one is worked out now, from the originals."""
-        self._alias_of = self._aliases()
+        tensor of training alive."""
         self.sources, self.originals, self._memo = [], [], {}
 
     def assemble(self, staged: list[torch.Tensor]) -> Any:
@@ -193,8 +193,7 @@ class Flattened:
         values = list(staged)
         for i, clothes in self._clothes.items():
             values[i] = clothes.dress(values[i])
-        aliases = self._aliases() if self._alias_of is None else self._alias_of
-        for i, first in aliases.items():
+        for i, first in self._aliases().items():
             values[i] = values[first]
         return _fill(self.skeleton, values, self._containers)
 
