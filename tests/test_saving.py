@@ -98,6 +98,33 @@ def test_torchrun_style_environment(tmp_path):
     assert log.read_text().split() == ["0"]
 
 
+def _local_writer_first_thing(rank, base, call):
+    from ranksafe import topology
+
+    topology.hostname = lambda: f"node{rank}"  # one rank per host, as two machines under mp.spawn would be
+    disk = os.path.join(base, f"node{rank}")  # each host's own disk
+    path = os.path.join(disk, "model.pth")
+    if call == "save":
+        ranksafe.save({"w": torch.ones(2)}, path, writer="local")
+    else:
+        ranksafe.prepare_dir(disk, writer="local")
+    return {
+        "local": ranksafe.local_rank(),
+        "node": ranksafe.node_rank(),
+        "exists": os.path.exists(path if call == "save" else disk),
+    }
+
+
+def test_the_local_writer_of_every_node_writes_when_local_is_the_first_collective(tmp_path):
+    """Without launcher variables the nodes are learned from the ranks' host names at the first collective: a save or
+    prepare_dir with writer="local" that is that collective must learn them before picking its writers (else the
+    second node's local rank 0 counts as local rank 1 and its disk gets nothing, while save returns there)."""
+    for call in ("save", "prepare_dir"):
+        values = run_ranks(_local_writer_first_thing, 2, args=(str(tmp_path / call), call)).values
+        assert [(v["local"], v["node"]) for v in values] == [(0, 0), (0, 1)]
+        assert [v["exists"] for v in values] == [True, True], call
+
+
 # --- failures are loud and shared -------------------------------------------------------------------
 
 

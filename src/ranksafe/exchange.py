@@ -150,6 +150,15 @@ def session(timeout: float | None, what: str | None = None) -> Session | None:
         return _session
 
 
+def learn_nodes(timeout: float | None = None, what: str | None = None) -> None:
+    """Make this rank's local rank and node known before a decision takes them: where no launcher variable says
+    them (``mp.spawn``), the host-name exchange that starts a group's session learns them. Until then every rank
+    counts as local rank ``rank()`` of node 0, and a second node would have no local writer. A collective the first
+    time in a process group, when it exchanges; local after that, and under a launcher."""
+    if topology.needs_host_exchange() and topology.is_distributed():
+        session(timeout, what)
+
+
 def lost_store(s: Session, what: str, e: dist.DistError) -> RankFailure:
     lost = (
         f"lost the rendezvous store ({str(e).splitlines()[0]}); the process hosting it exited: rank 0 "

@@ -15,6 +15,7 @@ from .checkpoint_file import load_file, save_file
 from .choice import Choice
 from .collectives import barrier, together
 from .errors import error_naming_target
+from .exchange import learn_nodes
 from .files import local_path, make_dirs
 from .sharded import refuse_sharded
 
@@ -29,11 +30,16 @@ class Writer(Choice):
 
 
 def is_writer(writer: Writer | str = Writer.MAIN) -> bool:
-    """Whether this rank writes under the ``writer`` policy."""
+    """Whether this rank writes under the ``writer`` policy. For ``local``, every rank of a process group started
+    without launcher variables (``mp.spawn``) must call it the first time: the nodes are learned from each rank's
+    host name (:func:`~ranksafe.exchange.learn_nodes`)."""
     writer = Writer(writer)
     if writer is Writer.MAIN:
         return topology.is_main()
-    return writer is Writer.ALL or topology.is_local_main()
+    if writer is Writer.ALL:
+        return True
+    learn_nodes()
+    return topology.is_local_main()
 
 
 StorageOptions = dict[str, Any] | None

@@ -30,6 +30,7 @@ from .choice import Choice
 from .collectives import broadcast, exchange_outcome, together
 from .commit import Place, name_of, open_for_commit
 from .errors import Failure, error_naming_target, rank_failure
+from .exchange import learn_nodes
 from .files import local_path, make_dirs
 from .remote import Remote
 
@@ -82,8 +83,9 @@ def placement(
 ) -> Placement:
     """Decide who writes ``directory``; collective the first time for ``storage="auto"``, cached after.
 
-    ``shared`` and ``local`` skip the probe (no collective, no file-system call): use them when you know. A URL of
-    remote storage is one store that every rank reaches: global rank 0 writes, and ``local`` is refused.
+    ``shared`` and ``local`` skip the probe (no file-system call): use them when you know (``local`` learns the
+    nodes from the ranks' host names first, a collective once per group where no launcher variable says them). A
+    URL of remote storage is one store that every rank reaches: global rank 0 writes, and ``local`` is refused.
     """
     storage = Storage(storage)
     if remote.is_url(directory):
@@ -93,6 +95,7 @@ def placement(
     if storage is Storage.SHARED:
         return Placement(StorageKind.SHARED, topology.is_main(), None)
     if storage is Storage.LOCAL:
+        learn_nodes(timeout, f"storage of {directory}")
         return Placement(StorageKind.LOCAL, topology.is_local_main(), frozenset({topology.node_rank()}))
     if topology.world_size() == 1:
         return Placement(StorageKind.SHARED, True, None)
@@ -116,6 +119,7 @@ def probe(directory: str | os.PathLike, timeout: float | None = None) -> dict[in
     """
     directory = os.path.abspath(local_path(directory))
     what = f"storage probe {directory}"
+    learn_nodes(timeout, what)
     node = topology.node_rank()
     path, token, error, read_only = _write_token(directory, node) if topology.is_local_main() else (None,) * 4
     try:
