@@ -723,3 +723,35 @@ def test_a_timeout_that_cannot_work_is_refused_naming_it(tmp_path):
             "timeout must be a positive number of seconds or None, not -5",
             "timeout must be a positive number of seconds or None, not 0",
         ]
+
+
+def _failures_inside_together(rank, base):
+    blocker = os.path.join(base, "a-file")
+    if rank == 0:
+        open(blocker, "w").close()
+    ranksafe.barrier("setup")
+    seen = {}
+    try:
+        with ranksafe.together("evaluation"):
+            ranksafe.save({"w": 1}, os.path.join(blocker, "m.pth"))  # fails on rank 0, shared by the save
+    except Exception as e:
+        seen["nested"] = (isinstance(e, NotADirectoryError), getattr(e, "errno", None), type(e).__name__)
+    try:
+        with ranksafe.together("interrupted"):
+            if rank == 0:
+                raise KeyboardInterrupt
+    except Exception as e:
+        seen["interrupt"] = f"Exception: {type(e).__name__} {e.ranks}"
+    except KeyboardInterrupt:
+        seen["interrupt"] = "KeyboardInterrupt"
+    return seen
+
+
+def test_a_failure_already_shared_keeps_its_type_and_ctrl_c_stays_what_it_is(tmp_path):
+    """Before: a save failing inside together came out of it as a plain RankFailure (no longer a NotADirectoryError,
+    errno lost), and a Ctrl-C on rank 0 became a RankFailure there too, caught by `except Exception`."""
+    r0, r1 = run_ranks(_failures_inside_together, 2, args=(str(tmp_path),)).values
+    for seen in (r0, r1):
+        assert seen["nested"] == (True, 20, "RankFailure[NotADirectoryError]"), seen
+    assert r0["interrupt"] == "KeyboardInterrupt"
+    assert r1["interrupt"] == "Exception: RankFailure [0]"  # the others: a failure on rank 0, named

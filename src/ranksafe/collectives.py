@@ -55,13 +55,20 @@ def exchange_outcome(
     """Post ``value`` and whether this rank failed (``exc``); get ``reduce(values in rank order)`` on every rank,
     or the same :class:`RankFailure` on every rank when any rank posted a failure. Collective, one exchange.
 
-    The failing rank chains its own exception as the cause; in a single process ``exc`` itself is raised. The
-    values are not reduced when a rank failed. ``name`` and ``what`` as in :func:`exchange`.
+    The failing rank chains its own exception as the cause. It raises ``exc`` itself, unchanged, in a single
+    process, when ``exc`` is no ``Exception`` (Ctrl-C, ``sys.exit``: stock ``except Exception`` clauses must not
+    catch them), and when ``exc`` is a :class:`RankFailure` that every failed rank posted alike (a collective that
+    failed inside this one already raised it on every rank, with its type). The values are not reduced when a rank
+    failed. ``name`` and ``what`` as in :func:`exchange`.
     """
     mine = None if exc is None else Failure.from_exception(topology.rank(), exc)
     result, failures = exchange(name, (value, mine), _values_and_failures(reduce), timeout, what)
     if failures:
-        if exc is not None and topology.world_size() == 1:
+        if exc is not None and (topology.world_size() == 1 or not isinstance(exc, Exception)):
+            raise exc
+        if isinstance(exc, RankFailure) and all(
+            (f.type_name, f.message) == (mine.type_name, mine.message) for f in failures
+        ):
             raise exc
         raise rank_failure(what or name, failures) from exc
     return result
