@@ -102,3 +102,21 @@ def _barrier_missing(rank):
 def test_barrier_timeout_is_a_runtime_error_like_the_backends_timeout():
     values = run_ranks(_barrier_missing, 2, timeout=60).values
     assert values[0] is True
+
+
+def test_every_error_ranksafe_raises_pickles_back_as_itself():
+    """Worker pools (mp.spawn, ProcessPoolExecutor) pickle what a worker raises. Before: CorruptCheckpoint and
+    UntrustedCheckpoint could not be rebuilt (their __init__ takes two arguments), which broke the pool, and a
+    CollectiveMismatch came back as a plain RankFailure."""
+    failure = ranksafe.errors.Failure(1, "builtins.ValueError", "diverged")
+    errors = [
+        ranksafe.CorruptCheckpoint("/ck/m.pth", "truncated"),
+        ranksafe.UntrustedCheckpoint("/ck/m.pth", "a pickled class"),
+        ranksafe.CollectiveMismatch("save", [failure]),
+        ranksafe.BarrierTimeout("barrier", [1], 5.0),
+        ranksafe.errors.rank_failure("load", [ranksafe.errors.Failure(0, "builtins.FileNotFoundError", "gone")]),
+    ]
+    for error in errors:
+        back = pickle.loads(pickle.dumps(error))
+        assert type(back) is type(error) and str(back) == str(error), (type(back), back)
+        assert getattr(back, "path", None) == getattr(error, "path", None)

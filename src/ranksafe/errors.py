@@ -45,6 +45,9 @@ class CorruptCheckpoint(RankSafeError, RuntimeError, pickle.UnpicklingError):
         self.reason = reason
         super().__init__(f"corrupt checkpoint {self.path}: {reason}")
 
+    def __reduce__(self):  # pickled by worker pools (mp.spawn, DataLoader workers): rebuilt from its arguments
+        return (type(self), (self.path, self.reason))
+
 
 class UntrustedCheckpoint(RankSafeError, pickle.UnpicklingError):
     """A checkpoint holds pickled objects and was loaded with ``weights_only=True``.
@@ -54,10 +57,14 @@ class UntrustedCheckpoint(RankSafeError, pickle.UnpicklingError):
 
     def __init__(self, path: str | os.PathLike, reason: str):
         self.path = os.fspath(path)
+        self.reason = reason
         super().__init__(
             f"{self.path} holds objects that weights_only loading refuses ({reason}). If you trust the "
             "file, load it with weights_only=False (or trusted=True in the integrations)."
         )
+
+    def __reduce__(self):
+        return (type(self), (self.path, self.reason))
 
 
 @dataclass(frozen=True)
@@ -141,6 +148,9 @@ class BarrierTimeout(RankFailure):
 
 class CollectiveMismatch(RankFailure):
     """Ranks entered different collectives at the same point: their control flow diverged."""
+
+    def __reduce__(self):
+        return (CollectiveMismatch, (self.what, self.failures))
 
 
 def _rebuild_rank_failure(what: str, failures: list[Failure]) -> RankFailure:
