@@ -178,6 +178,29 @@ def test_overwrite_empties_the_checkpoint_dir_unless_resuming(tmp_path):
     assert trainer.global_step == 16 and (root / "stale.ckpt").exists()
 
 
+def test_overwrite_keeps_what_an_earlier_fit_of_the_same_trainer_saved(tmp_path):
+    """A second fit of one Trainer (a second stage) is the same run. Before: overwrite=True emptied the directory
+    again, and best_model_path, still the first fit's best, named a deleted file (validate(ckpt_path="best")
+    raised FileNotFoundError)."""
+    root = tmp_path / "ckpts"
+    checkpoint = ModelCheckpoint(dirpath=root, monitor="val_loss", save_top_k=1)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, callbacks=[checkpoint, RankSafe(overwrite=True)],
+    )  # fmt: skip
+    model = Model()
+    trainer.fit(model, _loader(), _loader())
+    best = checkpoint.best_model_path
+    model.configure_optimizers = lambda: torch.optim.SGD(model.parameters(), lr=0.0)  # the first fit's best stays
+    trainer.fit_loop.max_epochs = 3
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, _loader(), _loader())
+    assert checkpoint.best_model_path == best and os.path.exists(best), os.listdir(root)
+    assert any("an earlier fit of this Trainer saved there" in str(w.message) for w in caught)
+    trainer.validate(model, _loader(), ckpt_path="best", verbose=False)
+
+
 def _managed_fit(checkpoint_dir, epochs: int, ckpt_path=None) -> pl.Trainer:
     torch.manual_seed(0)
     trainer = pl.Trainer(

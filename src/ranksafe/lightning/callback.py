@@ -22,7 +22,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from .. import remote, topology
 from ..checkpoint import CheckpointManager
 from ..checkpoint_file import probe_write
-from ..collectives import abort, broadcast, checked_timeout, together
+from ..collectives import abort, agree, broadcast, checked_timeout, together
 from ..errors import error_naming_target
 from ..files import atomic_link, clean_orphans
 from ..lock import StateDictLock
@@ -56,10 +56,16 @@ def _seconds(interval: timedelta | float | None) -> float | None:
     return seconds
 
 
-def _checkpoint_dirs(trainer: pl.Trainer) -> list[str]:
-    """The directories of the Trainer's ModelCheckpoints (resolved in their ``setup``)."""
-    dirpaths = (getattr(cb, "dirpath", None) for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint))
-    return [os.fspath(d) for d in dirpaths if d]  # a stand-in (a Mock with a spec) may have none
+def _checkpoint_dirs(trainer: pl.Trainer) -> dict[str, bool]:
+    """The directories of the Trainer's ModelCheckpoints (resolved in their ``setup``), each with whether its callback
+    names files there already (an earlier ``fit`` of this Trainer saved them: its best, top-k and last paths)."""
+    dirs: dict[str, bool] = {}
+    for cb in trainer.checkpoint_callbacks:
+        dirpath = getattr(cb, "dirpath", None)  # a stand-in (a Mock with a spec) may have none
+        if isinstance(cb, ModelCheckpoint) and dirpath:
+            named = bool(cb.best_model_path or cb.last_model_path or cb.best_k_models)
+            dirs[os.fspath(dirpath)] = dirs.get(os.fspath(dirpath), False) or named
+    return dirs
 
 
 def _async_io(trainer: pl.Trainer) -> RankSafeCheckpointIO | None:
@@ -89,7 +95,8 @@ class RankSafe(Callback):
 
     Args:
         overwrite: empty every ModelCheckpoint directory before training (collectively, by rank 0 only,
-            via :func:`ranksafe.prepare_dir`), unless the fit resumes from a checkpoint. With the default
+            via :func:`ranksafe.prepare_dir`), unless the fit resumes from a checkpoint or an earlier ``fit`` of this
+            Trainer saved there (its ``best_model_path`` names a file there). With the default
             False the directory is left to Lightning, which creates it at the first save on rank 0.
         monitor_op: how a monitored metric that differs across ranks becomes one value: ``"mean"`` (what
             ``sync_dist=True`` would log), ``"main"`` (rank 0's), ``"max"`` or ``"min"``.
@@ -249,7 +256,7 @@ class RankSafe(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Write a probe into every ModelCheckpoint directory (resolved in their ``setup``): a directory, bucket or
         credentials that cannot be written fail every rank now instead of after the first epoch."""
-        dirpaths = _checkpoint_dirs(trainer)
+        dirpaths = list(_checkpoint_dirs(trainer))
         with _shared_outcome("checkpoint directories: warmup", self.timeout):
             if topology.is_main():
                 for dirpath in dirpaths:
@@ -372,13 +379,16 @@ class RankSafe(Callback):
         return original(checkpoint_path, weights_only=weights_only)
 
     def _overwrite(self, trainer: pl.Trainer, resuming: bool) -> None:
-        """``overwrite=True``: empty every ModelCheckpoint directory, unless the fit resumes (its restored state names
-        files there, as ``best_model_path`` does)."""
-        for dirpath in _checkpoint_dirs(trainer):
-            if not resuming:
+        """``overwrite=True``: empty every ModelCheckpoint directory, unless the fit resumes or an earlier ``fit`` of
+        this Trainer saved there: the restored, or kept, state names files there, as ``best_model_path`` does."""
+        for dirpath, named in _checkpoint_dirs(trainer).items():
+            if _shared():  # prepare_dir is collective: every rank keeps or empties alike
+                named = agree(named, "any", name=f"checkpoints named in {dirpath}", timeout=self.timeout)
+            if not (resuming or named):
                 prepare_dir(dirpath, overwrite=True)
             elif topology.is_main():
-                warnings.warn(f"RankSafe(overwrite=True) keeps {dirpath}: the run resumes", stacklevel=3)
+                why = "the run resumes" if resuming else "an earlier fit of this Trainer saved there"
+                warnings.warn(f"RankSafe(overwrite=True) keeps {dirpath}: {why}", stacklevel=3)
 
     def _locks(self) -> list[StateDictLock]:
         """The locks whose snapshots run in the background: the plugin's and the manager's, with ``async_save``."""
