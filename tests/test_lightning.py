@@ -212,6 +212,22 @@ def _managed_fit(checkpoint_dir, epochs: int, ckpt_path=None) -> pl.Trainer:
     return trainer
 
 
+def test_a_step_interval_that_ends_an_epoch_saves_that_step_once(tmp_path):
+    """Four batches an epoch, every_n_train_steps=4 and every_n_epochs=1: both rules fall on steps 4 and 8. Before:
+    each step was dumped and committed twice (the second commit replaced the first)."""
+    callback = RankSafe(checkpoint_dir=tmp_path / "managed", keep=None, every_n_train_steps=4, every_n_epochs=1)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, enable_checkpointing=False, callbacks=[callback],
+    )  # fmt: skip
+    saved = []
+    save = callback.manager.save
+    callback.manager.save = lambda step, *args, **kwargs: saved.append(step) or save(step, *args, **kwargs)
+    trainer.fit(Model(), _loader(), _loader())
+    assert saved == [4, 8]
+    assert [s.step for s in ranksafe.list_steps(tmp_path / "managed")] == [4, 8]
+
+
 def test_a_home_relative_checkpoint_dir_is_expanded_and_a_step_directory_resumes(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.chdir(tmp_path)

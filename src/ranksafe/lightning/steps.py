@@ -39,6 +39,7 @@ class TrainerSteps:
         self.every_n_epochs = every_n_epochs
         self._requeue: SlurmRequeue | None = None  # what the run's SLURMEnvironment asks for after a preemption
         self._stopping = False  # this fit's preemption step is saved: only stop requests from now on
+        self._saved_step: int | None = None  # the global step last saved: a step and an epoch rule may both fall on it
 
     @property
     def handles_signals(self) -> bool:
@@ -119,7 +120,12 @@ class TrainerSteps:
             self.save(trainer)
 
     def save(self, trainer: pl.Trainer) -> None:
-        """The Trainer's full checkpoint as step ``trainer.global_step``; collective."""
+        """The Trainer's full checkpoint as step ``trainer.global_step``, once: a step interval that ends an epoch
+        saves at the batch's end, and the epoch's save then skips it, as ModelCheckpoint skips a step it has saved.
+        Collective."""
+        if trainer.global_step == self._saved_step:
+            return
+        self._saved_step = trainer.global_step
         checkpoint = compat.checkpoint_connector(trainer).dump_checkpoint(weights_only=False)
         sharded = for_dcp(checkpoint)
         if sharded is None:
