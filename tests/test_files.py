@@ -57,6 +57,17 @@ def test_exception_inside_atomic_write_leaves_target_untouched(tmp_path):
     assert _debris(tmp_path) == []
 
 
+@pytest.mark.parametrize("mode", ["ab", "a", "xb", "r+b"])
+def test_atomic_write_refuses_a_mode_that_would_not_write_a_whole_new_file(tmp_path, mode):
+    """Before: "ab" replaced the file with what the block wrote (its old rows were gone), "xb" replaced a file that
+    existed instead of raising FileExistsError."""
+    log = tmp_path / "log.csv"
+    log.write_bytes(b"epoch,loss\n0,0.9\n")
+    with pytest.raises(ValueError, match=f"not mode '{re.escape(mode)}'"), ranksafe.atomic_write(log, mode) as f:
+        f.write(b"1,0.5\n")
+    assert log.read_bytes() == b"epoch,loss\n0,0.9\n"
+
+
 def test_bit_flip_is_detected_though_torch_load_accepts_it(tmp_path):
     path = tmp_path / "m.pth"
     ranksafe.atomic_save(_state(), path)

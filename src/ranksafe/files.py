@@ -225,9 +225,12 @@ def atomic_write(
     """Open ``path`` for writing so that it appears complete or not at all.
 
     No collectives: call it on the writer rank only, or use :func:`ranksafe.save`. On any exception the target is
-    untouched and the temporary file is removed. ``path`` may be a URL of remote storage (binary mode;
-    ``storage_options`` for its file system): see :func:`ranksafe.remote.commit_object`.
+    untouched and the temporary file is removed. ``mode`` writes a whole new file: ``"wb"`` or ``"w"`` (a file is
+    replaced, never appended to). ``path`` may be a URL of remote storage (binary mode; ``storage_options`` for its
+    file system): see :func:`ranksafe.remote.commit_object`.
     """
+    if mode not in ("wb", "w"):  # "a" would drop what the file held, "x" would replace a file that exists
+        raise ValueError(f"atomic_write writes a whole new file ('wb' or 'w'), not mode {mode!r}: {remote.where(path)}")
     if remote.is_url(path):
         if mode != "wb":
             raise ValueError(f"atomic_write of a URL opens it in binary mode ('wb'), not {mode!r}")
