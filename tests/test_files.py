@@ -68,6 +68,18 @@ def test_atomic_write_refuses_a_mode_that_would_not_write_a_whole_new_file(tmp_p
     assert log.read_bytes() == b"epoch,loss\n0,0.9\n"
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_sound_file_that_cannot_be_mapped_here_is_not_called_corrupt(tmp_path):
+    """Before: a verified file loaded with map_location="cuda" on a machine without one raised CorruptCheckpoint,
+    which tells the user to throw a good file away. Now torch's own error passes through."""
+    path = tmp_path / "m.pth"
+    ranksafe.atomic_save({"w": torch.ones(2)}, path)
+    with pytest.raises(RuntimeError, match="CUDA") as raised:
+        ranksafe.load_file(path, map_location="cuda")
+    assert not isinstance(raised.value, ranksafe.CorruptCheckpoint)
+    assert ranksafe.load_file(path)["w"].tolist() == [1.0, 1.0]
+
+
 def test_bit_flip_is_detected_though_torch_load_accepts_it(tmp_path):
     path = tmp_path / "m.pth"
     ranksafe.atomic_save(_state(), path)

@@ -312,11 +312,12 @@ def load_file(
     or foreign files raise :class:`CorruptCheckpoint` naming the path. ``path`` may be a URL of remote storage
     (``storage_options`` for its file system): the object is read once, verified and loaded from memory.
     """
+    verified = False  # whether the footer's checksum vouches for every byte
     if remote.is_url(path):
         target = remote.Remote.of(path, storage_options)
         name, source = target.url, io.BytesIO(target.read())
         if verify:
-            _verify(source, name)
+            verified = _verify(source, name)
         source.seek(0)
     else:
         name = source = local_path(path)
@@ -324,13 +325,13 @@ def load_file(
             raise IsADirectoryError(f"{name} is a directory, not a checkpoint file")
         if verify:
             with open(name, "rb") as f:
-                _verify(f, name)
+                verified = _verify(f, name)
     try:
         return torch.load(source, map_location=map_location, weights_only=weights_only, **kw)
     except (FileNotFoundError, IsADirectoryError, PermissionError):
         raise
     except Exception as e:
-        error = _load_error(name, e, weights_only, _first_bytes(source))
+        error = _load_error(name, e, weights_only, _first_bytes(source), verified)
         if error is e:
             raise
         raise error from e
@@ -354,9 +355,9 @@ def load_plain_pickle(data: bytes, path: str | os.PathLike) -> Any:
         raise UntrustedCheckpoint(path, str(e)) from e
 
 
-def _load_error(path: str, e: Exception, weights_only: bool | None, first: bytes) -> Exception:
-    """What a failed ``torch.load`` of ``path`` (whose first bytes are ``first``) means, named for the user
-    (``e`` itself: pass it on)."""
+def _load_error(path: str, e: Exception, weights_only: bool | None, first: bytes, verified: bool) -> Exception:
+    """What a failed ``torch.load`` of ``path`` (whose first bytes are ``first``; ``verified``: its checksum
+    matched) means, named for the user (``e`` itself: pass it on)."""
     if first not in (_ZIP_START, _LEGACY_START):
         return CorruptCheckpoint(path, "not a torch checkpoint (neither a zip archive nor torch's legacy format)")
     if isinstance(e, pickle.UnpicklingError) and weights_only is not False and "Weights only load failed" in str(e):
@@ -364,8 +365,9 @@ def _load_error(path: str, e: Exception, weights_only: bool | None, first: bytes
         # torch's message is a page of advice; the line naming the refused object is the one that matters
         why = next((line.strip() for line in lines if "WeightsUnpickler error" in line), lines[-1])
         return UntrustedCheckpoint(path, why.split(". Please use")[0][:300])
-    if not isinstance(e, _DAMAGE):
-        return e  # e.g. a class the pickle names is missing here: the file may be sound, the environment is not
+    if verified or not isinstance(e, _DAMAGE):
+        # the file is sound (or may be): a map_location this machine cannot serve, a class missing here
+        return e
     detail = str(e).splitlines()[0][:200] if str(e) else ""
     return CorruptCheckpoint(path, f"{type(e).__name__}: {detail}" if detail else type(e).__name__)
 
