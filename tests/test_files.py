@@ -80,6 +80,18 @@ def test_a_sound_file_that_cannot_be_mapped_here_is_not_called_corrupt(tmp_path)
     assert ranksafe.load_file(path)["w"].tolist() == [1.0, 1.0]
 
 
+def test_a_home_relative_path_is_expanded_and_a_folders_path_refused(tmp_path, monkeypatch):
+    """Before: save("~/m.pth") wrote into a folder named "~" under the working directory, while the manager and
+    ModelCheckpoint expand it; and "out/" wrote a file named "out" (torch.save refuses that path)."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    ranksafe.save({"w": 1}, "~/run/m.pth")
+    assert os.listdir(tmp_path) == ["home"] and ranksafe.load("~/run/m.pth", weights_only=False) == {"w": 1}
+    with pytest.raises(IsADirectoryError, match="a file's path, not a directory's"):
+        ranksafe.atomic_save({"w": 1}, "out/")
+    assert not os.path.exists(tmp_path / "out")
+
+
 def test_bit_flip_is_detected_though_torch_load_accepts_it(tmp_path):
     path = tmp_path / "m.pth"
     ranksafe.atomic_save(_state(), path)

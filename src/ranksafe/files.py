@@ -31,7 +31,8 @@ _ORPHAN_AGE = 24 * 3600  # temporaries of another host are removed once this old
 
 
 def local_path(path: str | os.PathLike) -> str:
-    """``path`` as a local file-system path: a ``file://`` URL becomes its path; any other URL raises ValueError.
+    """``path`` as a local file-system path: a ``file://`` URL becomes its path, ``~`` the home directory (as
+    ModelCheckpoint and the manager take it); any other URL raises ValueError.
 
     For the calls that only work on a local file system (directory commits, storage probes). A URL taken for a
     relative path (``s3://bucket/x`` is ``./s3:/bucket/x`` to ``open``) would "succeed" on a node's disk while
@@ -44,7 +45,7 @@ def local_path(path: str | os.PathLike) -> str:
             f"{path} (rank {topology.rank()}) is a URL: this call reads and writes local paths only "
             "(a local directory, or a mount of shared storage)"
         )
-    return path
+    return os.path.expanduser(path)
 
 
 def _host_tag() -> str:
@@ -169,7 +170,10 @@ class AtomicFile:
     """
 
     def __init__(self, target: str | os.PathLike):
-        self.target = os.path.abspath(local_path(target))
+        path = local_path(target)
+        if path.endswith(("/", os.sep)):  # abspath would drop the separator and write a file by the folder's name
+            raise IsADirectoryError(f"cannot write {path} (rank {topology.rank()}): a file's path, not a directory's")
+        self.target = os.path.abspath(path)
         self.directory, self.name = os.path.split(self.target)
         self.tmp: str | None = None
         self._file: IO[bytes] | None = None
