@@ -125,7 +125,7 @@ class CheckpointManager:
             placement(root, storage)  # refuses storage="local" now, not at the first save
             self._base: Place = Remote.of(root, storage_options)
         else:
-            self._base = os.path.abspath(os.path.expanduser(local_path(root)))  # ~ as ModelCheckpoint takes it
+            self._base = os.path.abspath(local_path(root))  # local_path expands ~, as ModelCheckpoint does
         self.root = name_of(self._base)
         self.storage_options = storage_options
         self.storage, self.prefix, self.timeout = storage, prefix, checked_timeout(timeout)
