@@ -400,6 +400,43 @@ def test_rank_0_does_not_wait_at_exit_for_ranks_that_failed_too():
     assert failed.elapsed - clean.elapsed < 2.5
 
 
+def _tensors_and_bad_src(rank):
+    import numpy as np
+    import torch
+
+    out = {
+        "main tensor": ranksafe.agree(torch.tensor([0.25, 0.75]) if rank == 0 else None, "main"),
+        "main one-element": ranksafe.agree(torch.tensor([5.0]) if rank == 0 else None, "main"),
+        "max 0-d": ranksafe.agree(torch.tensor(float(rank)), "max"),
+        "sum numpy": ranksafe.agree(np.float32(rank + 0.5), "sum"),
+    }
+    try:
+        ranksafe.agree(torch.tensor([1.0, 2.0]), "max")
+    except ranksafe.RankFailure as e:
+        out["max of two elements"] = type(e).__name__
+    for src in (-1, 2):
+        try:
+            out[f"src {src}"] = ranksafe.broadcast("x", src=src)
+        except ValueError as e:
+            out[f"src {src}"] = str(e)
+    return out
+
+
+def test_agree_main_passes_any_object_and_broadcast_refuses_a_rank_that_does_not_exist():
+    """agree(tensor, "main") called .item() on any value that had it: a tensor of two raised on rank 0 alone (the
+    other ranks waited for it) and a tensor of one came back as a float. broadcast(src=-1) gave None everywhere."""
+    values = run_ranks(_tensors_and_bad_src, 2).values
+    for v in values:
+        assert v["main tensor"].tolist() == [0.25, 0.75] and v["main one-element"].tolist() == [5.0]
+        assert v["max 0-d"] == 1.0 and v["sum numpy"] == 2.0
+        assert v["max of two elements"] == "RankFailure[RuntimeError]"  # one error everywhere, not a hang
+        assert (
+            v["src -1"]
+            == v["src 2"].replace("src=2", "src=-1")
+            == "broadcast: src=-1 is not a rank of this group (0 to 1)"
+        )
+
+
 def _mixed_types(rank):
     try:
         ranksafe.agree("a string" if rank == 0 else 1.0, "max")

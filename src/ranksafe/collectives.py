@@ -120,13 +120,27 @@ def agree(value: Any, op: AgreeOp | str = AgreeOp.ALL, *, name: str = "", timeou
     whether ranks reach a collective: a new best?, stop?, retry?, does the file exist?
     """
     op = AgreeOp(op)
-    if hasattr(value, "item") and callable(value.item):  # a 0-d tensor or numpy scalar
-        value = value.item()
+    if op is not AgreeOp.MAIN:
+        value = _as_number(value)
     return exchange(f"agree[{op}]:{name}", value, _OPS[op], timeout)
+
+
+def _as_number(value: Any) -> Any:
+    """A one-element tensor or numpy value as a Python number, so that every rank reduces plain numbers.
+
+    Anything else is posted as it is: a value the reduction cannot combine fails there, alike on every rank,
+    where raising here would fail this rank alone.
+    """
+    if getattr(value, "ndim", None) is not None and getattr(value, "size", None) is not None:
+        with contextlib.suppress(ValueError, RuntimeError):  # more than one element
+            return value.item()
+    return value
 
 
 def broadcast(obj: T, src: int = 0, *, name: str = "", timeout: float | None = None) -> T:
     """Rank ``src``'s ``obj`` on every rank (a small picklable object; use torch for big tensors)."""
+    if not 0 <= src < topology.world_size():
+        raise ValueError(f"broadcast: src={src} is not a rank of this group (0 to {topology.world_size() - 1})")
     mine = obj if topology.rank() == src else None
     return exchange(f"broadcast[{src}]:{name}", mine, lambda vs: vs[src], timeout)
 
