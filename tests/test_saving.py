@@ -125,6 +125,44 @@ def test_the_local_writer_of_every_node_writes_when_local_is_the_first_collectiv
         assert [v["exists"] for v in values] == [True, True], call
 
 
+def _save_outcomes(rank, base):
+    from ranksafe import topology
+
+    topology.hostname = lambda: "node0" if rank < 2 else "node1"  # ranks 0, 1 on one host, rank 2 on another
+    node_path = os.path.join(base, f"node{ranksafe.node_rank()}.pth")
+    calls = {  # a per-rank name with one writer is the slip; a per-node name with one writer per node is fine
+        "main, path per rank": (os.path.join(base, f"preds_{rank}.pth"), "main"),
+        "main, one path": (os.path.join(base, "preds.pth"), "main"),
+        "local, path per node": (node_path, "local"),
+        "local, path per rank": (os.path.join(base, f"local_{rank}.pth"), "local"),
+        "all, path per rank": (os.path.join(base, f"all_{rank}.pth"), "all"),
+    }
+    out = {}
+    for case, (path, writer) in calls.items():
+        try:
+            returned = ranksafe.save({"r": rank}, path, writer=writer)
+            out[case] = ("returned", os.path.exists(returned))
+        except ValueError as e:
+            out[case] = ("ValueError", str(e))
+    return out
+
+
+def test_a_rank_whose_writer_wrote_another_path_gets_an_error_not_a_path_without_a_file(tmp_path):
+    """save(obj, f"preds_{rank}.pth") with the default writer="main" wrote rank 0's file only and returned the other
+    ranks' paths as if saved there. Now every rank raises, naming the paths; per-node paths with writer="local" and
+    per-rank paths with writer="all" stay fine."""
+    values = run_ranks(_save_outcomes, 3, args=(str(tmp_path),)).values
+    for rank, v in enumerate(values):
+        for case in ("main, one path", "local, path per node", "all, path per rank"):
+            assert v[case] == ("returned", True), (rank, case, v[case])
+        for case, wrong in (("main, path per rank", "preds_1.pth"), ("local, path per rank", "local_1.pth")):
+            kind, message = v[case]
+            assert kind == "ValueError", (rank, case, v[case])
+            assert f"rank 1 asked for {tmp_path / wrong}" in message and "writer='all'" in message
+        assert "rank 2 asked" in v["main, path per rank"][1]
+        assert "rank 2 asked" not in v["local, path per rank"][1]  # rank 2 is its node's writer
+
+
 # --- failures are loud and shared -------------------------------------------------------------------
 
 

@@ -13,7 +13,7 @@ from typing import Any
 from . import remote, topology
 from .checkpoint_file import load_file, save_file
 from .choice import Choice
-from .collectives import barrier, together
+from .collectives import barrier, exchange_outcome, together
 from .errors import error_naming_target
 from .exchange import learn_nodes
 from .files import local_path, make_dirs
@@ -64,19 +64,46 @@ def save(
 
     The writer creates the parent directory and commits the file atomically; non-writers touch no file.
     A failed write raises :class:`RankFailure` on every rank (also an instance of the original error type
-    when it is a built-in one, e.g. ``PermissionError``). Returns the path on every rank. ``path`` may be a URL
+    when it is a built-in one, e.g. ``PermissionError``). Returns the path on every rank. Every rank passes the
+    path its writer writes (with ``local``, the path of its node's writer); one that passes another path would
+    get back a path where no file is, so every rank raises ``ValueError`` instead. ``path`` may be a URL
     of remote storage (``s3://``, ``gs://``...; ``storage_options`` for its fsspec file system), written in one
     upload that appears whole or not at all. Sharded tensors (a ``DTensor`` sharded across ranks) need
     ``writer="all"`` and a path per rank: one writer would keep its own shards only, so every rank raises
     ``ValueError`` instead.
     """
     path, _ = _checked(path, storage_options)
-    with together("save", what=f"save {path}"):
-        if Writer(writer) is not Writer.ALL:
+    writer = Writer(writer)
+    exc: BaseException | None = None
+    try:
+        if writer is not Writer.ALL:
             refuse_sharded(obj, f"save {path}")
         if is_writer(writer):
             save_file(obj, path, storage_options=storage_options, **torch_save_kwargs)
+    except BaseException as e:
+        exc = e
+    # The outcome's exchange carries each rank's path: a rank whose writer wrote elsewhere must not return its path.
+    group = {Writer.MAIN: 0, Writer.LOCAL: topology.node_rank(), Writer.ALL: None}[writer]
+    apart = exchange_outcome("outcome:save", (group, path), exc, _paths_apart, what=f"save {path}")
+    if apart:
+        raise ValueError(
+            f"save with writer={writer.value!r} writes one file per {'job' if group == 0 else 'node'}, but "
+            f"the ranks passed different paths ({'; '.join(apart)}); pass one path, or writer='all' for a file "
+            "per rank"
+        )
     return path
+
+
+def _paths_apart(posts: list[tuple[int | None, str]]) -> list[str]:
+    """The ranks whose path differs from the one their group's writer (its first rank) wrote, described."""
+    writes: dict[int, tuple[int, str]] = {}
+    apart = []
+    for rank, (group, path) in enumerate(posts):
+        if group is not None:
+            writer, written = writes.setdefault(group, (rank, path))
+            if path != written:
+                apart.append(f"rank {rank} asked for {path}, rank {writer} wrote {written}")
+    return apart
 
 
 def load(
