@@ -174,7 +174,7 @@ def test_local_writes_name_the_target_not_the_temporary(tmp_path):
     (tmp_path / "blocker").write_text("a file")
     with pytest.raises(FileNotFoundError, match=f"directory {re.escape(str(tmp_path / 'nodir'))} does not exist") as e:
         ranksafe.atomic_save(_state(), tmp_path / "nodir" / "m.pth")
-    assert e.value.filename == str(tmp_path / "nodir" / "m.pth") and TMP_SUFFIX not in str(e.value)
+    assert e.value.path == str(tmp_path / "nodir" / "m.pth") and TMP_SUFFIX not in str(e.value)
     with pytest.raises(NotADirectoryError, match="blocker is a file, not a directory") as e:
         ranksafe.atomic_save(_state(), tmp_path / "blocker" / "m.pth")
     assert TMP_SUFFIX not in str(e.value)
@@ -236,12 +236,12 @@ _FSIZE_CHILD = textwrap.dedent(
     try:
         ranksafe.atomic_save({"w": torch.zeros(1 << 20)}, sys.argv[1])
     except OSError as e:
-        print("ERR", e.errno)
+        print("ERR", e.errno, e)
     """
 )
 
 
-def test_file_too_large_keeps_the_committed_file(tmp_path):
+def test_file_too_large_keeps_the_committed_file_and_the_error_names_it(tmp_path):
     path = tmp_path / "m.pth"
     ranksafe.atomic_save(_state(), path)
     before = path.read_bytes()
@@ -249,6 +249,7 @@ def test_file_too_large_keeps_the_committed_file(tmp_path):
         [sys.executable, "-c", _FSIZE_CHILD, str(path), str(256 * 1024)], capture_output=True, text=True, timeout=60
     )
     assert "ERR 27" in out.stdout, out.stderr  # EFBIG, even for root
+    assert f"cannot save {path} (rank 0): File too large" in out.stdout  # before: "File too large", naming nothing
     assert path.read_bytes() == before
     assert _debris(tmp_path) == []
 

@@ -28,7 +28,7 @@ from . import remote, topology
 from .checkpoint_file import probe_write, save_file
 from .choice import Choice
 from .collectives import together
-from .errors import error_naming_target
+from .errors import naming_target
 from .files import local_path
 from .lock import StateDictLock
 from .notice import StepNotice
@@ -367,10 +367,8 @@ class AsyncSaver:
                     else:
                         with self.lock.read():
                             self.staging.capture(example_state)
-                try:
+                with naming_target("cannot write checkpoints to", directory):
                     free = probe_write(directory, storage_options)
-                except OSError as e:
-                    raise error_naming_target(e, "cannot write checkpoints to", directory) from e
                 if free is not None and free < self.staging.nbytes:
                     raise OSError(
                         errno.ENOSPC,

@@ -48,7 +48,7 @@ from .commit import (
     step_commit,
     verify_step,
 )
-from .errors import error_naming_target
+from .errors import naming_target
 from .files import local_path
 from .lock import StateDictLock
 from .remote import Remote
@@ -326,11 +326,9 @@ class CheckpointManager:
         try:
             for name, obj in writer_files.items():
                 tx.save(obj, name)
-            try:
+            with naming_target(f"cannot commit step {tx.step}:", name_of(commit.final)):
                 commit.finalize(build_manifest(commit.tmp, tx.step, tx.entries, tx.metrics))
                 self._metrics.record(tx.step, tx.metrics)
-            except OSError as e:
-                raise error_naming_target(e, f"cannot commit step {tx.step}:", name_of(commit.final)) from e
         except BaseException:
             commit.abort()
             raise

@@ -25,7 +25,7 @@ from typing import IO, Any
 import torch
 
 from . import remote
-from .errors import CorruptCheckpoint, UntrustedCheckpoint, error_naming_target
+from .errors import CorruptCheckpoint, UntrustedCheckpoint, naming_target
 from .files import BUFFER_SIZE, atomic_write, local_path, make_dirs
 
 _FOOTER = struct.Struct("<8sQI4s")  # magic, payload length, crc32, version
@@ -192,10 +192,16 @@ def atomic_save(
     obj: Any, path: str | os.PathLike, storage_options: dict[str, Any] | None = None, **torch_save_kwargs: Any
 ) -> str:
     """``torch.save`` ``obj`` to ``path`` atomically, with an integrity footer (:func:`save_with_footer`). No
-    collectives. ``path`` may be a URL of remote storage (``storage_options`` for its file system)."""
-    with atomic_write(path, storage_options=storage_options) as f:
-        save_with_footer(obj, f, **torch_save_kwargs)
+    collectives. ``path`` may be a URL of remote storage (``storage_options`` for its file system). A failed write
+    raises its ``OSError`` naming ``path`` and the rank."""
+    with naming_target("cannot save", path):
+        _write_whole(obj, path, storage_options, torch_save_kwargs)
     return remote.split(path)[1]
+
+
+def _write_whole(obj: Any, path: str | os.PathLike, storage_options: dict[str, Any] | None, kw: dict) -> None:
+    with atomic_write(path, storage_options=storage_options) as f:
+        save_with_footer(obj, f, **kw)
 
 
 def save_file(
@@ -208,12 +214,11 @@ def save_file(
     """One checkpoint file, written as every saver of whole files writes it: :func:`atomic_save` into a parent
     directory made if ``path`` is local, and an ``OSError`` naming ``path`` and the rank
     (``"{action} {path} (rank r): ..."``). No collectives."""
-    try:
+    with naming_target(action, path):
         if not remote.is_url(path):
             make_dirs(os.path.dirname(os.path.abspath(path)))
-        return atomic_save(obj, path, storage_options=storage_options, **torch_save_kwargs)
-    except OSError as e:
-        raise error_naming_target(e, action, path) from e
+        _write_whole(obj, path, storage_options, torch_save_kwargs)
+    return remote.split(path)[1]
 
 
 def probe_write(directory: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> int | None:

@@ -39,7 +39,7 @@ from typing import IO, Any, Protocol
 
 from . import remote
 from .checkpoint_file import ChecksummingWriter, save_with_footer
-from .errors import CorruptCheckpoint, error_naming_target
+from .errors import CorruptCheckpoint, naming_target
 from .files import TMP_SUFFIX, atomic_write, fsync_dir, local_path, make_dirs
 from .remote import Remote
 
@@ -206,16 +206,13 @@ class StepWriter:
         raises its ``OSError`` naming the file as it will be once committed, and the rank."""
         place = join(self._tmp, check_name(name, "file name"))
         raw = obj.encode() if isinstance(obj, str) else obj
-        try:
-            with open_for_commit(place) as f:
-                whole = ChecksummingWriter(f)
-                if isinstance(raw, (bytes, bytearray, memoryview)):
-                    whole.write(raw)
-                else:  # torch.save + ranksafe footer, as atomic_save writes it
-                    save_with_footer(obj, whole)
-        except OSError as e:
-            final = name_of(join(self._final, name))
-            raise error_naming_target(e, f"cannot save step {self.step}:", final) from e
+        final = name_of(join(self._final, name))
+        with naming_target(f"cannot save step {self.step}:", final), open_for_commit(place) as f:
+            whole = ChecksummingWriter(f)
+            if isinstance(raw, (bytes, bytearray, memoryview)):
+                whole.write(raw)
+            else:  # torch.save + ranksafe footer, as atomic_save writes it
+                save_with_footer(obj, whole)
         self.entries[name] = (whole.length, whole.crc)
         return name_of(place)
 

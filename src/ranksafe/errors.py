@@ -10,6 +10,8 @@ from __future__ import annotations
 import builtins
 import os
 import pickle
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 
@@ -23,6 +25,16 @@ def error_naming_target(e: OSError, action: str, path: str | os.PathLike) -> OSE
     error = type(e)(e.errno, msg) if e.errno is not None else type(e)(msg)
     error.path = os.fspath(path)
     return error
+
+
+@contextmanager
+def naming_target(action: str, path: str | os.PathLike) -> Iterator[None]:
+    """Raise an ``OSError`` from the block as :func:`error_naming_target` names it: a temporary file's name, or
+    none, means nothing to the user, who asked for ``path``."""
+    try:
+        yield
+    except OSError as e:
+        raise error_naming_target(e, action, path) from e
 
 
 class RankSafeError(Exception):

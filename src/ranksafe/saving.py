@@ -14,7 +14,7 @@ from . import remote, topology
 from .checkpoint_file import load_file, save_file
 from .choice import Choice
 from .collectives import barrier, exchange_outcome, together
-from .errors import error_naming_target
+from .errors import naming_target
 from .exchange import learn_nodes
 from .files import local_path, make_dirs
 from .sharded import refuse_sharded
@@ -126,11 +126,8 @@ def load(
     path, _ = _checked(path, storage_options)
     barrier("load", what=f"load {path}")
     result = None
-    with together("load", what=f"load {path}"):
-        try:
-            result = load_file(path, map_location, weights_only, verify=verify, storage_options=storage_options, **kw)
-        except OSError as e:
-            raise error_naming_target(e, "cannot load", path) from e
+    with together("load", what=f"load {path}"), naming_target("cannot load", path):
+        result = load_file(path, map_location, weights_only, verify=verify, storage_options=storage_options, **kw)
     return result
 
 

@@ -29,7 +29,7 @@ from .checkpoint_file import probe_write
 from .choice import Choice
 from .collectives import broadcast, exchange_outcome, together
 from .commit import Place, name_of, open_for_commit
-from .errors import Failure, error_naming_target, rank_failure
+from .errors import Failure, naming_target, rank_failure
 from .exchange import learn_nodes
 from .files import local_path, make_dirs
 from .remote import Remote
@@ -231,7 +231,7 @@ def probe_root(base: Place) -> Remote | None:
     :func:`check_every_rank_sees`, which removes it (returned). Local: the writer's part of a warmup (unlike
     :func:`probe`, it asks whether the root can be written, not who shares it)."""
     root = name_of(base)
-    try:
+    with naming_target("cannot write checkpoints to", root):
         if not isinstance(base, Remote):
             probe_write(root)
             return None
@@ -239,8 +239,6 @@ def probe_root(base: Place) -> Remote | None:
         with open_for_commit(probe) as f:
             f.write(b"probe")
         return probe
-    except OSError as e:
-        raise error_naming_target(e, "cannot write checkpoints to", root) from e
 
 
 def check_every_rank_sees(base: Remote, probe: Remote | None, timeout: float | None = None) -> None:

@@ -23,7 +23,7 @@ from .. import remote, topology
 from ..checkpoint import CheckpointManager
 from ..checkpoint_file import probe_write
 from ..collectives import abort, agree, broadcast, checked_timeout, together
-from ..errors import error_naming_target
+from ..errors import naming_target
 from ..files import atomic_link, clean_orphans
 from ..lock import StateDictLock
 from ..options import needs_checkpoint_dir, positive_int
@@ -260,10 +260,8 @@ class RankSafe(Callback):
         with _shared_outcome("checkpoint directories: warmup", self.timeout):
             if topology.is_main():
                 for dirpath in dirpaths:
-                    try:
+                    with naming_target("cannot write checkpoints to", dirpath):
                         probe_write(dirpath)
-                    except OSError as e:
-                        raise error_naming_target(e, "cannot write checkpoints to", dirpath) from e
                     if not remote.is_url(dirpath):  # temporaries of writers that crashed go before new ones appear
                         clean_orphans(dirpath)
         if self.steps is not None:

@@ -20,7 +20,7 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from .. import remote, topology
 from ..async_save import AsyncSaver
 from ..checkpoint_file import load_file, save_file
-from ..errors import error_naming_target
+from ..errors import naming_target
 from ..files import atomic_link, local_path, make_dirs
 from ..lock import StateDictLock
 
@@ -89,11 +89,9 @@ class RankSafeCheckpointIO(CheckpointIO):
         self.wait()
         if self.saver.failed:  # never commit past a failed write: last.ckpt would name a top-k file that never came
             raise self.saver.take_error()  # type: ignore[misc]
-        try:  # now, not on the writer thread: a link or copy made before the commit finds the directory
-            if not remote.is_url(path):
+        if not remote.is_url(path):  # now, not on the writer thread: a link or copy made before the commit finds it
+            with naming_target("cannot save checkpoint", path):
                 make_dirs(os.path.dirname(path))
-        except OSError as e:
-            raise error_naming_target(e, "cannot save checkpoint", path) from e
         self._latest = path
         write = functools.partial(self._write, path=path, storage_options=storage_options)
         self.saver.submit(checkpoint, write)  # a failed snapshot: for check()
