@@ -51,6 +51,16 @@ def test_memory_round_trip_verify_and_a_failed_write_keeps_the_previous_object(m
         ranksafe.load(url)
 
 
+def test_a_save_onto_a_prefix_with_objects_below_it_is_refused_as_a_local_folder_is(memory, tmp_path):
+    """Before, save("memory://run") over memory://run/model.pth returned, with its temporary moved into the prefix
+    and no object at the URL; a local folder raises IsADirectoryError."""
+    ranksafe.save({"w": torch.ones(1)}, "memory://run/model.pth")
+    for folder in ("memory://run", tmp_path):
+        with pytest.raises(IsADirectoryError, match=f"cannot save {folder} \\(rank 0\\)"):
+            ranksafe.save({"w": torch.ones(2)}, folder)
+    assert memory.find("/run") == ["/run/model.pth"]  # no temporary left inside
+
+
 def test_a_damaged_or_missing_object_names_the_url(memory):
     url = "memory://run/model.pth"
     ranksafe.atomic_save({"w": torch.ones(1000)}, url)

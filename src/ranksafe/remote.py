@@ -172,6 +172,8 @@ def commit_object(target: Remote) -> Iterator[IO[bytes]]:
         staged = None
         f = fs.open(target.path, "wb", autocommit=False)
     else:  # a file system that publishes as it writes: a temporary object, moved into place
+        if fs.isdir(target.path):  # a move would put the temporary inside, and leave nothing at the URL
+            raise IsADirectoryError(errno.EISDIR, "Is a directory (objects are below it)", target.url)
         parent = target.path.rsplit("/", 1)[0]
         fs.makedirs(parent, exist_ok=True)
         staged = f"{parent}/.{target.name}.{secrets.token_hex(4)}{TMP_SUFFIX}"
