@@ -120,3 +120,14 @@ def test_every_error_ranksafe_raises_pickles_back_as_itself():
         back = pickle.loads(pickle.dumps(error))
         assert type(back) is type(error) and str(back) == str(error), (type(back), back)
         assert getattr(back, "path", None) == getattr(error, "path", None)
+
+
+def test_a_shared_corrupt_or_untrusted_checkpoint_keeps_its_reason():
+    """A RankFailure[CorruptCheckpoint] is a CorruptCheckpoint, so code that reads .reason (to tell truncated from
+    bit-flipped) must find it on every rank; before, it had .path only and .reason raised AttributeError."""
+    for error in (ranksafe.CorruptCheckpoint("/ck/m.pth", "truncated"), ranksafe.UntrustedCheckpoint("/m", "a class")):
+        shared = ranksafe.errors.rank_failure("load", [ranksafe.errors.Failure.from_exception(1, error)])
+        assert isinstance(shared, type(error)) and isinstance(shared, ranksafe.RankFailure)
+        assert (shared.reason, shared.path) == (error.reason, error.path)
+        back = pickle.loads(pickle.dumps(shared))
+        assert (type(back), back.reason) == (type(shared), error.reason)

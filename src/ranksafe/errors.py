@@ -88,15 +88,17 @@ class Failure:
     message: str
     path: str | None = None  # the file the error is about, when it says (CorruptCheckpoint.path, OSError.filename)
     errno: int | None = None  # OSError's code, so that `e.errno == errno.ENOSPC` works on every rank
+    reason: str | None = None  # CorruptCheckpoint's and UntrustedCheckpoint's, without the path
 
     @classmethod
     def from_exception(cls, rank: int, exc: BaseException) -> Failure:
         t = type(exc)
         path = getattr(exc, "path", None) or getattr(exc, "filename", None)
         code = getattr(exc, "errno", None)
+        reason = getattr(exc, "reason", None) if isinstance(exc, RankSafeError) else None
         return cls(
             rank, f"{t.__module__}.{t.__qualname__}", str(exc), None if path is None else str(path),
-            code if isinstance(code, int) else None,
+            code if isinstance(code, int) else None, reason if isinstance(reason, str) else None,
         )  # fmt: skip
 
     @property
@@ -191,6 +193,8 @@ def _shared_type(t: type[BaseException]) -> type[RankFailure]:
         self.path = next((f.path for f in failures if f.path), None)  # as CorruptCheckpoint.path would be
         if isinstance(self, OSError):
             self.errno = next((f.errno for f in failures if f.errno is not None), None)
+        if isinstance(self, (CorruptCheckpoint, UntrustedCheckpoint)):
+            self.reason = next((f.reason for f in failures if f.reason is not None), None)
 
     ns = {"__init__": __init__, "__module__": __name__, "__qualname__": f"RankFailure[{t.__name__}]"}
     return type(f"RankFailure[{t.__name__}]", (RankFailure, t), ns)
