@@ -303,6 +303,48 @@ def test_saving_a_step_again_replaces_it_and_a_failed_block_commits_nothing(tmp_
     assert sorted(os.listdir(tmp_path)) == ["step_00000001"]
 
 
+def _slips(rank, base):
+    out = {}
+    shared = CheckpointManager(os.path.join(base, "shared"), storage="shared")
+    per_node = CheckpointManager(as_node(rank, 2, os.path.join(base, "nodes")), storage="local")  # ranks 0, 1 | 2
+    per_rank = CheckpointManager(os.path.join(base, f"run_{rank}"), storage="shared")
+    cases = {
+        "shared, one name for two ranks": (shared, lambda tx: tx.save(b"r", "rng.pt")),
+        "shared, a side file named as the state": (shared, lambda tx: rank == 1 and tx.save(b"r", "state.pt")),
+        "local, one name on two nodes": (per_node, lambda tx: rank != 1 and tx.save(b"r", "rng.pt")),
+        "local, one name on one node": (per_node, lambda tx: rank != 2 and tx.save(b"r", "rng.pt")),
+        "shared, a root per rank": (per_rank, lambda tx: None),
+    }
+    for step, (case, (manager, side_files)) in enumerate(cases.items(), start=1):
+        try:
+            with manager.saving(step, {"state.pt": _state(step)}) as tx:
+                side_files(tx)
+            out[case] = ("committed", manager.latest())
+        except ValueError as e:
+            out[case] = ("ValueError", str(e), manager.latest())
+    return out
+
+
+def test_two_ranks_that_would_write_one_file_or_into_another_root_fail_every_rank_and_commit_nothing(tmp_path):
+    """Before: two ranks' side files of one name were both taken into the manifest (the last rank's size and CRC,
+    whichever file the disk kept), so a committed step failed to load, or silently held one rank's file only; and a
+    root per rank with storage="shared" committed rank 0's step while rank 1 got its own path back, with nothing
+    there. Per-node names on node-local disks stay fine."""
+    values = run_ranks(_slips, 3, args=(str(tmp_path),)).values
+    for v in values:
+        assert v["local, one name on two nodes"] == ("committed", 3)
+        kind, message, latest = v["shared, one name for two ranks"]
+        assert (kind, latest) == ("ValueError", None) and "ranks 0, 1, 2 wrote rng.pt" in message, message
+        kind, message, latest = v["shared, a side file named as the state"]
+        assert (kind, latest) == ("ValueError", None) and "rank 1 wrote state.pt, which the writer writes" in message
+        kind, message, latest = v["local, one name on one node"]
+        assert (kind, latest) == ("ValueError", 3) and "ranks 0, 1 wrote rng.pt:" in message
+        kind, message, _ = v["shared, a root per rank"]
+        assert kind == "ValueError" and f"rank 1 has {tmp_path / 'run_1'} where rank 0 has" in message, message
+    assert sorted(os.listdir(tmp_path / "shared")) == []  # nothing committed, no temporary left
+    assert os.listdir(tmp_path / "run_0") == []
+
+
 # -- damaged manifests, listing errors, full disks, crashes between renames ---------------------------
 
 

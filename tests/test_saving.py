@@ -158,9 +158,9 @@ def test_a_rank_whose_writer_wrote_another_path_gets_an_error_not_a_path_without
         for case, wrong in (("main, path per rank", "preds_1.pth"), ("local, path per rank", "local_1.pth")):
             kind, message = v[case]
             assert kind == "ValueError", (rank, case, v[case])
-            assert f"rank 1 asked for {tmp_path / wrong}" in message and "writer='all'" in message
-        assert "rank 2 asked" in v["main, path per rank"][1]
-        assert "rank 2 asked" not in v["local, path per rank"][1]  # rank 2 is its node's writer
+            assert f"rank 1 has {tmp_path / wrong}" in message and "writer='all'" in message
+        assert "rank 2 has" in v["main, path per rank"][1]
+        assert "rank 2 has" not in v["local, path per rank"][1]  # rank 2 is its node's writer
 
 
 # --- failures are loud and shared -------------------------------------------------------------------

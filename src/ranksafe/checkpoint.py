@@ -53,6 +53,7 @@ from .files import local_path
 from .lock import StateDictLock
 from .remote import Remote
 from .retention import BestMode, Retention, StepMetrics
+from .saving import paths_apart
 from .schedule import SaveSchedule
 from .sharded import StepShards, for_dcp, read_shards, refuse_sharded, require_shared
 from .step_agreement import committed_everywhere, verdict
@@ -75,6 +76,20 @@ STATE = "state.pt"
 
 def _shard(rank: int) -> str:
     return f"shard-{rank:05d}.pt"
+
+
+def _clashes(posted: list[tuple[frozenset[int] | None, dict[str, Any]]], writer_files: Mapping[str, Any]) -> list[str]:
+    """The files of one step directory that two ranks wrote, or that a rank wrote under a name the writer(s) write
+    after the block, described; ``posted``: each rank's group (the nodes sharing its directory) and files."""
+    wrote: dict[tuple[frozenset[int] | None, str], list[int]] = {}
+    clashes = []
+    for rank, (group, entries) in enumerate(posted):
+        for name in entries:
+            if name in writer_files:
+                clashes.append(f"rank {rank} wrote {name}, which the writer writes")
+            wrote.setdefault((group, name), []).append(rank)
+    both = [f"ranks {', '.join(map(str, ranks))} wrote {name}" for (_, name), ranks in wrote.items() if len(ranks) > 1]
+    return clashes + both
 
 
 class CheckpointManager:
@@ -252,7 +267,7 @@ class CheckpointManager:
                 part.after_block(writer_files)
         except BaseException as e:
             exc = e
-        self._written(tx, where, commit, part, metrics, exc)
+        self._written(tx, where, commit, part, metrics, writer_files, exc)
         if part is not None:
             part.agreed()  # every rank writes its part now, or in the background (then the writer commits there)
         if self._saver is None:
@@ -276,7 +291,8 @@ class CheckpointManager:
             self.check()  # a failed background commit stops every rank here, not a step later
         commit = step_commit(self._dirs.place(step))
         state_kind = "a state with DTensors" if sharded else "no DTensors"
-        with together(f"checkpoint {step}: create, {state_kind}", self.timeout, f"checkpoint {step}: create"):
+        exc: BaseException | None = None
+        try:
             if sharded:
                 require_shared(where, self.root)  # the placement is agreed: every rank with DTensors raises alike
             refuse_sharded(writer_files, f"checkpoint {step}")  # every rank: the writers write theirs whole
@@ -284,6 +300,17 @@ class CheckpointManager:
             if where.writer:
                 self._dirs.clean_debris()
                 commit.create()
+        except BaseException as e:
+            exc = e
+        # each rank's root travels along: a rank whose writer writes under another root would never find its steps
+        name = f"outcome:checkpoint {step}: create, {state_kind}"
+        apart = exchange_outcome(
+            name, (where.group, self.root), exc, paths_apart, self.timeout, f"checkpoint {step}: create"
+        )
+        if apart:
+            if where.writer:
+                commit.abort()
+            raise ValueError(f"checkpoint {step}: the ranks sharing a writer have different roots ({'; '.join(apart)})")
         return commit, floats
 
     def _written(
@@ -293,25 +320,31 @@ class CheckpointManager:
         commit: DirCommit,
         part: StepShards | None,
         metrics: dict[str, float],
+        writer_files: Mapping[str, Any],
         exc: BaseException | None,
     ) -> None:
         """The second exchange: every rank says what it wrote (or how it failed); the writer(s) learn every file of
-        their group for the manifest, and every rank rank 0's metrics. A failure anywhere aborts the step on every
-        rank."""
+        their group for the manifest, and every rank rank 0's metrics. A failure anywhere, or two ranks that wrote one
+        file of one directory, aborts the step on every rank."""
         step = tx.step
         try:
             posted = exchange_outcome(
-                f"checkpoint {step}: written", (topology.node_rank(), tx.entries, metrics), exc, list, self.timeout,
+                f"checkpoint {step}: written", (where.group, tx.entries, metrics), exc, list, self.timeout,
                 what=f"checkpoint {step}: write",
             )  # fmt: skip
+            if clashes := _clashes([(group, entries) for group, entries, _ in posted], writer_files):
+                raise ValueError(
+                    f"checkpoint {step}: {'; '.join(clashes)}: one would replace the other in the step directory; "
+                    "give each rank's side files a name of their own (f'rng_{rank}.pt')"
+                )
         except BaseException:
             if part is not None:
                 part.given_up()
             if where.writer:
                 commit.abort()
             raise
-        for node, entries, _ in posted:
-            if where.group is None or node in where.group:
+        for group, entries, _ in posted:
+            if group == where.group:
                 tx.entries.update(entries)
         tx.metrics = posted[0][2]  # rank 0's, on every node
         self.schedule.saved()

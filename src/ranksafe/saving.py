@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Hashable
 from typing import Any
 
 from . import remote, topology
@@ -83,26 +84,26 @@ def save(
     except BaseException as e:
         exc = e
     # The outcome's exchange carries each rank's path: a rank whose writer wrote elsewhere must not return its path.
-    group = {Writer.MAIN: 0, Writer.LOCAL: topology.node_rank(), Writer.ALL: None}[writer]
-    apart = exchange_outcome("outcome:save", (group, path), exc, _paths_apart, what=f"save {path}")
+    group = {Writer.MAIN: None, Writer.LOCAL: topology.node_rank(), Writer.ALL: topology.rank()}[writer]
+    apart = exchange_outcome("outcome:save", (group, path), exc, paths_apart, what=f"save {path}")
     if apart:
         raise ValueError(
-            f"save with writer={writer.value!r} writes one file per {'job' if group == 0 else 'node'}, but "
+            f"save with writer={writer.value!r} writes one file per {'node' if group is not None else 'job'}, but "
             f"the ranks passed different paths ({'; '.join(apart)}); pass one path, or writer='all' for a file "
             "per rank"
         )
     return path
 
 
-def _paths_apart(posts: list[tuple[int | None, str]]) -> list[str]:
-    """The ranks whose path differs from the one their group's writer (its first rank) wrote, described."""
-    writes: dict[int, tuple[int, str]] = {}
+def paths_apart(posts: list[tuple[Hashable, str]]) -> list[str]:
+    """``posts``: each rank's group (the ranks one writer writes for) and path. The ranks whose path differs from
+    the path of their group's first rank, described: a path where that writer writes nothing."""
+    first: dict[Hashable, tuple[int, str]] = {}
     apart = []
     for rank, (group, path) in enumerate(posts):
-        if group is not None:
-            writer, written = writes.setdefault(group, (rank, path))
-            if path != written:
-                apart.append(f"rank {rank} asked for {path}, rank {writer} wrote {written}")
+        writer, written = first.setdefault(group, (rank, path))
+        if path != written:
+            apart.append(f"rank {rank} has {path} where rank {writer} has {written}")
     return apart
 
 
