@@ -3,6 +3,7 @@ warm-up fails early everywhere, nothing leaks or is lost at exit."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import gc
 import os
 import subprocess
@@ -171,6 +172,26 @@ def test_on_commit_runs_after_the_commit_so_retention_never_removes_the_last_che
     assert [s[1] for s in seen] == [True, True, True]
     assert seen[1][2] == ["0.pt", "1.pt"] and seen[2][2] == ["1.pt", "2.pt"]  # the previous one was still there
     assert os.listdir(tmp_path) == ["2.pt"]
+
+
+def test_a_relative_path_is_where_it_was_at_the_call_not_at_the_write(tmp_path, monkeypatch):
+    """The write runs later, on another thread: a relative path resolved there followed a chdir made meanwhile
+    (the file landed in the new directory, and on_commit got "m.pt"). torch.save resolves it at the call."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    gate, committed = threading.Event(), []
+    saver = AsyncSaver(on_commit=committed.append)
+    saver.submit(None, lambda _: gate.wait(10))  # a write in flight: the next save's write comes after the chdir
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        queued = pool.submit(saver.save, _state(n=4), "m.pt")
+        time.sleep(0.2)
+        os.chdir(tmp_path / "b")
+        gate.set()
+        assert queued.result(timeout=10) is True
+    saver.close()
+    assert (os.listdir(tmp_path / "a"), os.listdir(tmp_path / "b")) == (["m.pt"], [])
+    assert committed[-1] == str(tmp_path / "a" / "m.pt")
 
 
 def _failing_writer(gate: threading.Event):

@@ -110,11 +110,13 @@ class AsyncSaver:
             (:meth:`save`) or the value ``write_fn`` returned (:meth:`submit`). Delete older checkpoints
             here, never before: the previous checkpoint must survive until the new one is committed.
         writer: which ranks write (``"main"``, ``"local"``, ``"all"``, as :func:`ranksafe.save`). Every
-            rank may call :meth:`save`; on the others it does nothing.
+            rank may call :meth:`save`; on the others it does nothing. With ``"local"`` in a process group started
+            without launcher variables (``mp.spawn``), the nodes are learned from the ranks' host names the first
+            time: call :meth:`warmup`, or the first save, on every rank.
         name: names the collectives of this saver (every rank must use the same).
 
-    Local calls (any rank, any time): :meth:`save`, :meth:`submit`, :meth:`after_commit`, :meth:`wait`,
-    :meth:`shutdown`, :attr:`failed`. Collectives (every rank, same order): :meth:`warmup`, :meth:`check`,
+    Local calls (any rank, any time; but see ``writer``): :meth:`save`, :meth:`submit`, :meth:`after_commit`,
+    :meth:`wait`, :meth:`shutdown`, :attr:`failed`. Collectives (every rank, same order): :meth:`warmup`, :meth:`check`,
     :meth:`close`, and :meth:`poll`, once per training step.
 
     Thread: one writer, started by :meth:`warmup` or the first save and parked between saves;
@@ -182,7 +184,8 @@ class AsyncSaver:
         of remote storage (``storage_options=`` for its file system, among the keyword arguments).
         """
         storage_options = torch_save_kwargs.pop("storage_options", None)
-        path = remote.Remote.of(path, storage_options).url if remote.is_url(path) else local_path(path)
+        # a relative path is resolved now, as torch.save does: the write runs later, maybe after a chdir
+        path = remote.Remote.of(path, storage_options).url if remote.is_url(path) else os.path.abspath(local_path(path))
 
         write = functools.partial(save_file, path=path, storage_options=storage_options, **torch_save_kwargs)
         return self.submit(state, write, on_commit)
