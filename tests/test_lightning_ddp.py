@@ -46,10 +46,10 @@ class Run:
         return json.loads((self.out / "fault.json").read_text())["t"]
 
 
-def start(out: Path, *flags: str, script: Path = SCRIPT) -> Run:
+def start(out: Path, *flags: str, script: Path = SCRIPT, ranksafe_timeout: float = 30) -> Run:
     out.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}  # else Lightning would launch nothing
-    env["RANKSAFE_TIMEOUT"] = "30"
+    env["RANKSAFE_TIMEOUT"] = str(ranksafe_timeout)
     cmd = [sys.executable, str(script), "--out", str(out), *flags]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     return Run(out, proc)
@@ -125,6 +125,27 @@ def test_stock_lightning_control_hangs_or_loses_the_cause(stock_controls):
     assert "No space left" not in lost["error"] and "rank 0" not in lost["error"], lost["error"]
     # unsynced metric: each rank names a different "best" file; rank 1's can never exist
     assert died.rank(0)["best_model_path"] != lost["best_model_path"]
+
+
+def test_a_save_on_exception_of_a_rank_that_failed_alone_ends_every_rank_before_the_process_group_timeout(tmp_path):
+    """ModelCheckpoint(save_on_exception=True) saves from the failing rank's exception handler, then waits in a barrier
+    for ranks still held in DDP's allreduce, which only that rank's exit ends: stock Lightning hangs there until the
+    process group's timeout (30 minutes by default; 25 s here). Before, ranksafe removed its wrappers before that save,
+    and hung the same way; now the save waits at most EXCEPTION_SAVE_WAIT (the timeout, when shorter: 8 s here)."""
+    flags = ("--epochs", "3", "--fail-step", "3", "--save-on-exception", "--pg-timeout", "25")
+    runs = {
+        "stock": start(tmp_path / "stock", "--stock", *flags),
+        "ours": start(tmp_path / "ours", *flags, ranksafe_timeout=8),
+    }
+    runs = {name: finish(run) for name, run in runs.items()}
+    ended = {}
+    for name, run in runs.items():
+        assert not run.hung, f"{name} hung:\n{run.output[-3000:]}"
+        ended[name] = [run.rank(r)["t_raised"] - run.fault_time() for r in (0, 1)]
+        assert all(run.rank(r)["error"] for r in (0, 1)), name
+    assert max(ended["ours"]) < 8 + 10, ended
+    assert min(ended["stock"]) > 20, ended  # the process group's timeout, not the failure, ended them
+    assert "waiting for rank(s) 0" in runs["ours"].rank(1)["error"], runs["ours"].rank(1)["error"]
 
 
 def test_sigkill_mid_save_keeps_previous_checkpoint_then_resume_from_last(tmp_path):

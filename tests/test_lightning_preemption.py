@@ -147,6 +147,10 @@ def test_one_process_a_signal_saves_the_next_step_stops_and_the_next_fit_resumes
     whole, uninterrupted, _ = _fit(RankSafe(checkpoint_dir=tmp_path / "whole"))
     assert trainer.optimizers[0].param_groups[0]["lr"] == whole.optimizers[0].param_groups[0]["lr"]
     assert torch.equal(resumed.layer.weight, uninterrupted.layer.weight)
+    # ModelCheckpoint's files too: before, the validation Lightning runs as the stopped epoch ends saved a file (and
+    # removed the one the committed step names as best) after the commit; the resumed run never tracked it
+    kept = {run: sorted(os.listdir(tmp_path / f"{run}-lightning" / "checkpoints")) for run in ("ckpt", "whole")}
+    assert kept["ckpt"] == kept["whole"], kept
 
 
 def test_a_loop_that_min_steps_keeps_going_saves_the_preemption_step_once(tmp_path):

@@ -26,6 +26,8 @@ parser.add_argument("--fail-save", type=int, default=0)
 parser.add_argument("--after-fail", choices=["exit", "stay"], default="exit")
 parser.add_argument("--kill-save", type=int, default=0)
 parser.add_argument("--resume", action="store_true")
+parser.add_argument("--fail-step", type=int, default=0, help="rank 1's training step of this global step raises")
+parser.add_argument("--save-on-exception", action="store_true", help="ModelCheckpoint(save_on_exception=True)")
 parser.add_argument("--pg-timeout", type=float, default=0, help="seconds; 0: strategy='ddp' with its defaults")
 args = parser.parse_args()
 
@@ -54,6 +56,9 @@ class Model(pl.LightningModule):
         self.register_buffer("ballast", torch.zeros(1 << 20))  # 4 MiB: a write long enough to be killed halfway
 
     def training_step(self, batch, batch_idx):
+        if self.global_step == args.fail_step > 0 and self.global_rank == 1:
+            record("fault", t=time.time())
+            raise RuntimeError("injected failure of rank 1's training step")
         x, y = batch
         return torch.nn.functional.mse_loss(self.layer(x), y)
 
@@ -144,7 +149,7 @@ def main() -> None:
     torch.manual_seed(0)
     checkpoint = ModelCheckpoint(
         dirpath=CKPT_DIR, filename="{epoch}-{val_score:.2f}", monitor="val_score", mode="min",
-        save_top_k=2, save_last=True, every_n_epochs=1,
+        save_top_k=2, save_last=True, every_n_epochs=1, save_on_exception=args.save_on_exception,
     )  # fmt: skip
     stopping = EarlyStopping(monitor="val_score", mode="min", patience=3)
     callbacks = [checkpoint, stopping, Probe()] + ([] if args.stock else [RankSafe()])

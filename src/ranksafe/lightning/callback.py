@@ -22,7 +22,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from .. import remote, topology
 from ..checkpoint import CheckpointManager
 from ..checkpoint_file import probe_write
-from ..collectives import abort, agree, broadcast, checked_timeout, together
+from ..collectives import abort, agree, broadcast, checked_timeout, default_timeout, together
 from ..errors import naming_target
 from ..files import atomic_link, clean_orphans
 from ..lock import StateDictLock
@@ -36,6 +36,11 @@ from .monitor import MonitorAgreement, MonitorOp
 from .preemption import UNAGREED_REQUEUE, SlurmRequeue
 from .steps import TrainerSteps
 from .wrapped import unwrap, wrap
+
+EXCEPTION_SAVE_WAIT = 30.0
+"""At most this many seconds a save made while Lightning handles an exception (ModelCheckpoint's
+``save_on_exception``) waits for the other ranks. Ranks that failed alike (a signal, one bad batch) arrive; a rank that
+failed alone would otherwise wait for ranks held in a DDP collective that only its own exit ends."""
 
 
 def _shared() -> bool:
@@ -89,7 +94,9 @@ class RankSafe(Callback):
       raises :class:`~ranksafe.CorruptCheckpoint` on every rank;
     * ModelCheckpoint and EarlyStopping read their monitored metric through :class:`MonitorAgreement`: one
       decision and one file name on every rank, even without ``sync_dist=True``;
-    * an exception on one rank is posted with :func:`ranksafe.abort`, so the others raise within seconds;
+    * an exception on one rank is posted with :func:`ranksafe.abort`, so the others raise within seconds at their
+      next ranksafe collective; a ModelCheckpoint ``save_on_exception`` waits at most :data:`EXCEPTION_SAVE_WAIT`
+      for ranks that did not fail (stock Lightning waits for the process group's timeout there);
     * with ``RankSafeCheckpointIO(async_save=True)``: the optimizer step holds the write side of the plugin's
       lock, a background failure is raised on every rank at the end of the step, loads wait for the write.
 
@@ -175,6 +182,7 @@ class RankSafe(Callback):
         self._io: RankSafeCheckpointIO | None = None  # the async plugin of the current run, if any
         self._after_monitors = False  # the step's and the epoch's saves come after the last monitoring callback's
         self._polled_step = -1  # the optimizer step whose end was last checked (savers, schedule)
+        self._failed = False  # Lightning is handling an exception of this stage: its saves wait less for the others
 
     def _new_steps(self) -> TrainerSteps | None:
         return None if self._steps_args is None else TrainerSteps(self.lock, **self._steps_args)
@@ -207,6 +215,7 @@ class RankSafe(Callback):
     # -- hooks ----------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Runs on every rank once the process group exists, before any checkpoint is loaded or saved."""
+        self._failed = False
         self._io = _async_io(trainer)
         if self._io is not None:
             self._io._attach()
@@ -245,6 +254,10 @@ class RankSafe(Callback):
         for cb in monitors:
             monitor = getattr(cb, "monitor", None)  # a stand-in (a Mock with a spec) may have none
             if isinstance(cb, ModelCheckpoint):
+                if self.steps is not None and self.steps.handles_signals:
+                    wrap(cb, "on_validation_end", self._unless_stopped)
+                    if not (self._after_monitors and cb is monitors[-1]):  # else _then_end_epoch skips it
+                        wrap(cb, "on_train_epoch_end", self._unless_stopped)
                 wrap(cb, compat.LINK_CHECKPOINT, self._link)
                 if self._io is not None:
                     wrap(cb, "file_exists", self._file_exists)
@@ -299,9 +312,24 @@ class RankSafe(Callback):
         """A rank failing alone stops the others at their current or next ranksafe collective, within seconds.
         Lightning skips ``teardown`` after an exception: the wrappers go here."""
         abort(exception)
+        self._failed = True
         if self.steps is not None:
             self.steps.abandon()
-        self._undo(trainer)
+        last = trainer.callbacks[-1]
+        if last is self:
+            self._undo(trainer)
+        else:  # a ModelCheckpoint(save_on_exception=True) after this one saves through the shared wrappers
+            wrap(last, "on_exception", self._then_undo)
+
+    def _then_undo(self, original: Callable[..., Any], trainer: pl.Trainer, *args: Any) -> None:
+        """The last callback's ``on_exception``, then :meth:`_undo`. A save in it (ModelCheckpoint's
+        ``save_on_exception``) goes through the wrapped strategy: if other ranks never join it (they did not fail),
+        it gives up (:data:`EXCEPTION_SAVE_WAIT`), naming them, where Lightning's barrier after the save would wait
+        until the process group's timeout."""
+        try:
+            original(trainer, *args)
+        finally:
+            self._undo(trainer)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """The strategy, connectors, callbacks and signal handlers are what they were before ``setup``."""
@@ -337,8 +365,10 @@ class RankSafe(Callback):
 
     # -- what the wrapped methods run (``original`` is the method they replace) ------------------------
     def _together(self, name: str, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """The strategy's save or remove with its outcome shared by every rank."""
-        with together(name, self.timeout):
+        """The strategy's save or remove with its outcome shared by every rank (waiting less while an exception is
+        handled: :data:`EXCEPTION_SAVE_WAIT`)."""
+        timeout = min(self.timeout or default_timeout(), EXCEPTION_SAVE_WAIT) if self._failed else self.timeout
+        with together(name, timeout):
             return original(*args, **kwargs)
 
     def _load(
@@ -423,9 +453,17 @@ class RankSafe(Callback):
         self._end_step(trainer)
 
     def _then_end_epoch(self, original: Callable[..., Any], trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """The last monitoring callback's ``on_train_epoch_end``, then this epoch's manager step."""
-        original(trainer, pl_module)
+        """The last monitoring callback's ``on_train_epoch_end`` (none after a preemption stop, as
+        :meth:`_unless_stopped` says), then this epoch's manager step."""
+        self._unless_stopped(original, trainer, pl_module)
         self._end_epoch(trainer)
+
+    def _unless_stopped(self, original: Callable[..., Any], trainer: pl.Trainer, *args: Any) -> None:
+        """A monitoring callback's epoch-end hook, skipped once a preemption stop is saved. Lightning still validates
+        the epoch the stop cut short; a ModelCheckpoint save or removal then would act after the commit, whose state
+        the next run resumes from: a file it never tracks, or the removal of the best file that state names."""
+        if not (self.steps is not None and self.steps.stopped):
+            original(trainer, *args)
 
     def _install_signals(self, original: Callable[..., Any]) -> None:
         """The signal connector's ``register_signal_handlers``, for a fit with preemption: the manager's handlers

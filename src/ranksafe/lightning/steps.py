@@ -47,6 +47,11 @@ class TrainerSteps:
         return self.manager.schedule.signals is not None
 
     @property
+    def stopped(self) -> bool:
+        """Whether this fit's preemption step is saved and the fit is stopping. Local, the same on every rank."""
+        return self._stopping
+
+    @property
     def saver(self) -> AsyncSaver | None:
         """The manager's background saver (``async_save``), polled with the plugin's at every step; else None."""
         return self.manager.saver
