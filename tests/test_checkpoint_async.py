@@ -14,6 +14,7 @@ import shutil
 import threading
 import types
 
+import pytest
 import torch
 
 import ranksafe
@@ -223,3 +224,16 @@ def test_raw_extra_files_are_taken_in_every_bytes_form_as_by_a_synchronous_save(
         for name in extra:
             assert (tmp_path / str(async_save) / "step_00000000" / name).read_bytes() == b"tokenizer bytes", name
         blob[0:9] = b"tokenizer"
+
+
+def test_a_state_that_cannot_be_snapshotted_leaves_no_step_behind(tmp_path):
+    """Before, the step's temporary directory stayed after the failed snapshot (no commit was coming to use or remove
+    it) until the next save cleaned debris; the failure itself is reported by the next check, as a synchronous save
+    raises it."""
+    manager = ranksafe.CheckpointManager(tmp_path, async_save=True)
+    manager.save(1, {"w": torch.ones(2), "lock": threading.Lock()})  # a lock cannot be deep-copied
+    manager.wait()
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(TypeError, match="lock"):
+        manager.check()
+    manager.close()

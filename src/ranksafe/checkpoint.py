@@ -275,7 +275,13 @@ class CheckpointManager:
                 if where.writer:
                     self._commit(commit, tx, writer_files)
         elif where.writer and part is None:  # the snapshot of writer_files is taken now; check() reports a failure
-            self._saver.submit(writer_files, functools.partial(self._commit, commit, tx))
+            self._submit(commit, tx, writer_files)
+
+    def _submit(self, commit: DirCommit, tx: StepWriter, writer_files: Mapping[str, Any]) -> None:
+        """Hand the commit of ``writer_files`` to the background saver; a snapshot that failed (which the next
+        :meth:`check` reports) leaves no temporary directory behind, as no commit is coming to use it."""
+        if not self._saver.submit(writer_files, functools.partial(self._commit, commit, tx)):  # type: ignore[union-attr]
+            commit.abort()  # the saver waits for a write in flight, never skips: False means the snapshot failed
 
     def _open(
         self, step: int, where: Placement, writer_files: Mapping[str, Any], metrics: Mapping | None, sharded: bool
