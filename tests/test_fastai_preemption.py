@@ -343,5 +343,5 @@ def test_preemption_and_intervals_need_a_checkpoint_dir():
         RankSafe(every=2)
     with pytest.raises(ValueError, match="checkpoint_dir must name a directory, not ''"):
         RankSafe(checkpoint_dir="")
-    with pytest.raises(ValueError, match="every_steps must be a positive"):
+    with pytest.raises(ValueError, match="save_interval_steps must be a positive"):
         RankSafe("ckpt", save_interval_steps=0)

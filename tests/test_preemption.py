@@ -71,7 +71,7 @@ def test_a_signal_that_cannot_be_handled_installs_none():
 
 def test_a_step_rule_save_restarts_the_seconds_interval():
     now = [0.0]
-    schedule = SaveSchedule(every_steps=10, every_seconds=10, clock=lambda: now[0])
+    schedule = SaveSchedule(save_interval_steps=10, save_interval_seconds=10, clock=lambda: now[0])
     saved = []
     for step in range(21):
         now[0] = float(step)  # the interval ends at the step the step rule saves: one save there, not two
@@ -83,7 +83,7 @@ def test_a_step_rule_save_restarts_the_seconds_interval():
 
 def test_a_single_process_schedule():
     now = [0.0]
-    schedule = SaveSchedule(every_steps=5, every_seconds=10, preemption=True, clock=lambda: now[0])
+    schedule = SaveSchedule(save_interval_steps=5, save_interval_seconds=10, preemption=True, clock=lambda: now[0])
     schedule.install()
     try:
         assert [s for s in range(12) if schedule.should_save(s)] == [0, 5, 10]
@@ -239,7 +239,7 @@ def test_a_seconds_interval_is_decided_by_rank_0s_clock_whatever_the_others_read
 def _timed(rank, seconds):
     skew = 1000.0 if rank == 1 else 0.0  # rank 1's clock runs far ahead (another node, another time)
     clock = lambda: time.monotonic() + skew * (time.monotonic() > 0)  # noqa: E731
-    schedule = SaveSchedule(every_seconds=seconds, clock=clock, name="timed")
+    schedule = SaveSchedule(save_interval_seconds=seconds, clock=clock, name="timed")
     start = clock()
     naive, ours, last = [], [], start
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))

@@ -31,8 +31,8 @@ class SaveSchedule:
     rank, at every step boundary, with the same step numbers.
 
     Args:
-        every_steps: :meth:`should_save` is True at steps divisible by it.
-        every_seconds: ... and at the first common boundary after this many seconds passed since the last save,
+        save_interval_steps: :meth:`should_save` is True at steps divisible by it.
+        save_interval_seconds: ... and at the first common boundary after this many seconds passed since the last save,
             by rank 0's ``clock`` (other ranks' clocks are never read).
         preemption: handle these signals (True: SIGTERM and SIGUSR1) by recording them (:class:`Signals`): from
             the first common boundary after any rank received one, :meth:`reached_preemption` is True on every rank.
@@ -41,15 +41,19 @@ class SaveSchedule:
 
     def __init__(
         self,
-        every_steps: int | None = None,
-        every_seconds: float | None = None,
+        save_interval_steps: int | None = None,
+        save_interval_seconds: float | None = None,
         preemption: bool | Iterable[int] = False,
         name: str = "checkpoint",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        positive_int("every_steps", every_steps)
-        _positive("every_seconds", every_seconds)
-        self.every_steps, self.every_seconds, self.clock = every_steps, every_seconds, clock
+        positive_int("save_interval_steps", save_interval_steps)
+        _positive("save_interval_seconds", save_interval_seconds)
+        self.save_interval_steps, self.save_interval_seconds, self.clock = (
+            save_interval_steps,
+            save_interval_seconds,
+            clock,
+        )
         chosen = DEFAULT_SIGNALS if preemption is True else () if preemption is False else tuple(preemption)
         self.signals = Signals(chosen) if chosen else None
         self.preempted = False  # sticky: once the ranks agreed to stop, they stay stopped
@@ -86,12 +90,12 @@ class SaveSchedule:
         return self.preempted
 
     def should_save(self, step: int) -> bool:
-        """True on every rank at the same steps: every ``every_steps``, when ``every_seconds`` passed on rank 0's
-        clock (at the boundary after rank 0 found it), and when the ranks reached a preemption."""
+        """True on every rank at the same steps: every ``save_interval_steps``, when ``save_interval_seconds`` passed on
+        rank 0's clock (at the boundary after rank 0 found it), and when the ranks reached a preemption."""
         if (last := self._answered.get("save")) is not None and last[0] == step:
             return last[1]
-        save = bool(self.every_steps) and step % self.every_steps == 0  # type: ignore[operator]
-        if self.every_seconds is not None:
+        save = bool(self.save_interval_steps) and step % self.save_interval_steps == 0  # type: ignore[operator]
+        if self.save_interval_seconds is not None:
             if self._timer.poll() is not None:
                 save, self._posted["timer"] = True, False
             elif not save and self._interval_over():  # a step-rule save restarts the interval anyway
@@ -102,10 +106,11 @@ class SaveSchedule:
         return save
 
     def _interval_over(self) -> bool:
-        """On rank 0, with no notice of its own pending: whether ``every_seconds`` passed since the last save."""
+        """On rank 0, with no notice of its own pending: whether ``save_interval_seconds`` passed since the last
+        save."""
         if not topology.is_main() or self._posted["timer"]:
             return False
-        return self.clock() - self._last_save >= self.every_seconds  # type: ignore[operator]
+        return self.clock() - self._last_save >= self.save_interval_seconds  # type: ignore[operator]
 
     def saved(self) -> None:
         """A save was made: the seconds interval starts again (rank 0's clock)."""
