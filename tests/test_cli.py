@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 
 def test_demo_runs_and_shows_naive_errors_and_none_for_ranksafe():
     out = subprocess.run(
@@ -87,11 +89,17 @@ def test_doctor_under_torchrun(tmp_path):
 
 
 def test_demo_refuses_fewer_than_two_ranks(capsys):
-    import pytest
-
     with pytest.raises(SystemExit) as e:
         _cli(capsys, "demo", "--ranks", "1")
     assert e.value.code == 2 and "--ranks must be at least 2" in capsys.readouterr().err
+
+
+def test_doctor_refuses_a_probe_of_no_bytes(tmp_path, capsys):
+    """Before: --megabytes -1 ended in torch's traceback ("zeros: Dimension size must be non-negative")."""
+    for megabytes in ("0", "-1"):
+        with pytest.raises(SystemExit) as e:
+            _cli(capsys, "doctor", str(tmp_path), "--megabytes", megabytes)
+        assert e.value.code == 2 and "--megabytes must be at least 1" in capsys.readouterr().err
 
 
 def test_doctor_creates_root_or_reports_the_file_in_its_way(tmp_path, capsys):

@@ -117,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import run
 
         return run(ranks=args.ranks, rounds=args.rounds)
+    if args.command == "doctor" and args.megabytes < 1:
+        parser.error("doctor: --megabytes must be at least 1")
     if args.command == "verify":
         return verify(args.path)
     if args.command == "ls":
