@@ -86,7 +86,9 @@ class StagingBuffers:
     dtype, shape and strides: staged once, tied again in the file, as ``torch.save`` of the state writes them). A
     snapshot whose tensors match it copies into the same staged tensors; one that does not builds a new layout,
     which takes over every staged tensor of the old one that still fits. Each staged tensor has a storage of its own
-    bytes: a checkpoint holds exactly the tensors. The snapshot's tensors stay valid until the next capture, so the
+    bytes: a checkpoint holds exactly the tensors. So a view of part of another tensor of the state (``x[2:5]`` beside
+    ``x``) is saved as a tensor of its own, with the same values, where ``torch.save`` of the live state would keep it
+    a view of ``x``'s storage. The snapshot's tensors stay valid until the next capture, so the
     caller must not take a new snapshot while the previous one is being written (:class:`AsyncSaver` does not).
     """
 
