@@ -43,8 +43,8 @@ def test_untrusted_checkpoint_is_what_weights_only_loading_raises(tmp_path):
 
 @pytest.mark.parametrize(
     "damage",
-    [lambda b: b[: len(b) // 2], lambda b: b"not a checkpoint at all" * 4],
-    ids=["truncated archive", "not a checkpoint"],
+    [lambda b: b[: len(b) // 2], lambda b: b"not a checkpoint at all" * 4, lambda b: b""],
+    ids=["truncated archive", "not a checkpoint", "empty"],
 )
 def test_corrupt_checkpoint_is_what_torch_load_raises_on_a_damaged_file(tmp_path, damage):
     good = tmp_path / "good.pt"
@@ -53,7 +53,7 @@ def test_corrupt_checkpoint_is_what_torch_load_raises_on_a_damaged_file(tmp_path
     bad.write_bytes(damage(good.read_bytes()))
     stock = _stock_error(lambda: torch.load(bad, weights_only=False))
     ours = _ranksafe_error(lambda: ranksafe.load(bad, weights_only=False))
-    assert type(stock) in (RuntimeError, pickle.UnpicklingError), type(stock)
+    assert type(stock) in (RuntimeError, pickle.UnpicklingError, EOFError), type(stock)  # empty: EOFError
     assert isinstance(ours, ranksafe.CorruptCheckpoint) and isinstance(ours, type(stock))
 
 
@@ -111,6 +111,7 @@ def test_every_error_ranksafe_raises_pickles_back_as_itself():
     failure = ranksafe.errors.Failure(1, "builtins.ValueError", "diverged")
     errors = [
         ranksafe.CorruptCheckpoint("/ck/m.pth", "truncated"),
+        ranksafe.EmptyCheckpoint("/ck/m.pth", "the file is empty"),
         ranksafe.UntrustedCheckpoint("/ck/m.pth", "a pickled class"),
         ranksafe.CollectiveMismatch("save", [failure]),
         ranksafe.BarrierTimeout("barrier", [1], 5.0),
@@ -125,7 +126,8 @@ def test_every_error_ranksafe_raises_pickles_back_as_itself():
 def test_a_shared_corrupt_or_untrusted_checkpoint_keeps_its_reason():
     """A RankFailure[CorruptCheckpoint] is a CorruptCheckpoint, so code that reads .reason (to tell truncated from
     bit-flipped) must find it on every rank; before, it had .path only and .reason raised AttributeError."""
-    for error in (ranksafe.CorruptCheckpoint("/ck/m.pth", "truncated"), ranksafe.UntrustedCheckpoint("/m", "a class")):
+    errors = (ranksafe.CorruptCheckpoint("/m", "truncated"), ranksafe.UntrustedCheckpoint("/m", "a class"))
+    for error in (*errors, ranksafe.EmptyCheckpoint("/m", "the file is empty")):  # the last one an EOFError too
         shared = ranksafe.errors.rank_failure("load", [ranksafe.errors.Failure.from_exception(1, error)])
         assert isinstance(shared, type(error)) and isinstance(shared, ranksafe.RankFailure)
         assert (shared.reason, shared.path) == (error.reason, error.path)

@@ -25,7 +25,7 @@ from typing import IO, Any
 import torch
 
 from . import remote
-from .errors import CorruptCheckpoint, UntrustedCheckpoint, naming_target
+from .errors import CorruptCheckpoint, EmptyCheckpoint, UntrustedCheckpoint, naming_target
 from .files import BUFFER_SIZE, atomic_write, local_path, make_dirs
 
 _FOOTER = struct.Struct("<8sQI4s")  # magic, payload length, crc32, version
@@ -258,7 +258,7 @@ def _verify(f: IO[bytes], path: str) -> bool:
     """:func:`verify_file` of an open, seekable file."""
     size = f.seek(0, os.SEEK_END)
     if size == 0:
-        raise CorruptCheckpoint(path, "the file is empty")
+        raise EmptyCheckpoint(path, "the file is empty")
     f.seek(0)
     first = f.read(4)
     f.seek(max(0, size - _FOOTER.size))

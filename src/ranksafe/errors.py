@@ -43,9 +43,10 @@ class RankSafeError(Exception):
     Each one also subclasses what the stock call raises for the same cause, so that ``except`` clauses written
     for stock PyTorch keep working: :class:`CorruptCheckpoint` is a ``RuntimeError`` and a
     ``pickle.UnpicklingError`` (what ``torch.load`` raises on a damaged zip archive, and on bytes that are no
-    pickle), :class:`UntrustedCheckpoint` a ``pickle.UnpicklingError`` (``torch.load(weights_only=True)``), and
-    :class:`RankFailure` a ``RuntimeError`` (what a rank that waits for a failed one gets from the backend:
-    a timeout or a closed connection), also an ``OSError`` when the rank that failed raised one.
+    pickle), :class:`EmptyCheckpoint` an ``EOFError`` as well (an empty file), :class:`UntrustedCheckpoint` a
+    ``pickle.UnpicklingError`` (``torch.load(weights_only=True)``), and :class:`RankFailure` a ``RuntimeError``
+    (what a rank that waits for a failed one gets from the backend: a timeout or a closed connection), also an
+    ``OSError`` when the rank that failed raised one.
     """
 
 
@@ -59,6 +60,11 @@ class CorruptCheckpoint(RankSafeError, RuntimeError, pickle.UnpicklingError):
 
     def __reduce__(self):  # pickled by worker pools (mp.spawn, DataLoader workers): rebuilt from its arguments
         return (type(self), (self.path, self.reason))
+
+
+class EmptyCheckpoint(CorruptCheckpoint, EOFError):
+    """A checkpoint file with no bytes at all (a writer that died before its first write, without ranksafe's atomic
+    commit): also an ``EOFError``, which ``torch.load`` raises for it."""
 
 
 class UntrustedCheckpoint(RankSafeError, pickle.UnpicklingError):
