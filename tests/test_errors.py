@@ -133,3 +133,16 @@ def test_a_shared_corrupt_or_untrusted_checkpoint_keeps_its_reason():
         assert (shared.reason, shared.path) == (error.reason, error.path)
         back = pickle.loads(pickle.dumps(shared))
         assert (type(back), back.reason) == (type(shared), error.reason)
+
+
+def test_an_error_that_is_no_oserror_keeps_its_type_and_every_rank_reads_which_file_it_was_about(tmp_path):
+    """Before: a save of an object pickle refuses raised "cannot pickle 'generator' object" on the writer, and every
+    other rank read that in its RankFailure, naming neither the file nor the rank."""
+    target = tmp_path / "m.pth"
+    with pytest.raises(TypeError, match="cannot pickle") as e:
+        ranksafe.atomic_save({"gen": (i for i in range(3))}, target)
+    if not hasattr(e.value, "add_note"):
+        pytest.skip("notes need Python 3.11")
+    assert e.value.__notes__ == [f"cannot save {target} (rank 0)"]
+    shared = ranksafe.errors.rank_failure("save", [ranksafe.errors.Failure.from_exception(0, e.value)])
+    assert isinstance(shared, TypeError) and f"(cannot save {target} (rank 0))" in str(shared)

@@ -188,13 +188,16 @@ class AsyncSaver:
         path = remote.Remote.of(path, storage_options).url if remote.is_url(path) else os.path.abspath(local_path(path))
 
         write = functools.partial(save_file, path=path, storage_options=storage_options, **torch_save_kwargs)
-        return self.submit(state, write, on_commit)
+        return self.submit(state, write, on_commit, what=remote.where(path))
 
-    def submit(self, state: Any, write_fn: Callable[[Any], Any], on_commit: OnCommit | None = None) -> bool:
+    def submit(
+        self, state: Any, write_fn: Callable[[Any], Any], on_commit: OnCommit | None = None, *, what: str = ""
+    ) -> bool:
         """Snapshot ``state``, then call ``write_fn(snapshot)`` in the background. Local.
 
         For writers other than one file (a step directory with a commit marker): ``write_fn`` must commit
-        atomically itself. Its return value goes to ``on_commit``. Same return value as :meth:`save`.
+        atomically itself. Its return value goes to ``on_commit``. Same return value as :meth:`save`. ``what``
+        names the save in a failed snapshot's error (Python 3.11+: a note, which every rank's error repeats).
         """
         self._not_from_writer_thread("submit")
         if self.writer is not Writer.ALL:  # on every rank, before the writers are picked: every rank raises alike
@@ -208,11 +211,11 @@ class AsyncSaver:
         with self._submitting:
             self._submitter = threading.get_ident()
             try:
-                return self._submit(state, write_fn, callbacks)
+                return self._submit(state, write_fn, callbacks, what)
             finally:
                 self._submitter = None
 
-    def _submit(self, state: Any, write_fn: Callable[[Any], Any], callbacks: list[OnCommit]) -> bool:
+    def _submit(self, state: Any, write_fn: Callable[[Any], Any], callbacks: list[OnCommit], what: str) -> bool:
         if self.in_flight:
             if self.policy is BusyPolicy.SKIP:
                 return False
@@ -224,6 +227,8 @@ class AsyncSaver:
                 with self.lock.read():
                     captured = self.staging.capture(state)
         except Exception as e:  # reported on every rank by the next check(), like a failed write
+            if what and hasattr(e, "add_note"):
+                e.add_note(f"the snapshot for {what}")
             self._record(e)
             self._after_commit.settle(committed=False)
             return False

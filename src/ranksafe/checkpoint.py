@@ -280,7 +280,8 @@ class CheckpointManager:
     def _submit(self, commit: DirCommit, tx: StepWriter, writer_files: Mapping[str, Any]) -> None:
         """Hand the commit of ``writer_files`` to the background saver; a snapshot that failed (which the next
         :meth:`check` reports) leaves no temporary directory behind, as no commit is coming to use it."""
-        if not self._saver.submit(writer_files, functools.partial(self._commit, commit, tx)):  # type: ignore[union-attr]
+        what = f"step {tx.step} of {remote.where(self.root)}"
+        if not self._saver.submit(writer_files, functools.partial(self._commit, commit, tx), what=what):  # type: ignore[union-attr]
             commit.abort()  # the saver waits for a write in flight, never skips: False means the snapshot failed
 
     def _open(

@@ -30,11 +30,17 @@ def error_naming_target(e: OSError, action: str, path: str | os.PathLike) -> OSE
 @contextmanager
 def naming_target(action: str, path: str | os.PathLike) -> Iterator[None]:
     """Raise an ``OSError`` from the block as :func:`error_naming_target` names it: a temporary file's name, or
-    none, means nothing to the user, who asked for ``path``."""
+    none, means nothing to the user, who asked for ``path``. Another error keeps its type (a ``TypeError`` of pickle
+    is no ``OSError``) and gets a note naming ``path`` and the rank (Python 3.11+), which every rank's
+    :class:`RankFailure` repeats; ranksafe's own errors name what they are about already."""
     try:
         yield
     except OSError as e:
         raise error_naming_target(e, action, path) from e
+    except Exception as e:
+        if not isinstance(e, RankSafeError) and hasattr(e, "add_note"):
+            e.add_note(f"{action} {remote.where(path)}")
+        raise
 
 
 class RankSafeError(Exception):
@@ -102,8 +108,9 @@ class Failure:
         path = getattr(exc, "path", None) or getattr(exc, "filename", None)
         code = getattr(exc, "errno", None)
         reason = getattr(exc, "reason", None) if isinstance(exc, RankSafeError) else None
+        message = " ".join([str(exc), *(f"({note})" for note in getattr(exc, "__notes__", ()))])
         return cls(
-            rank, f"{t.__module__}.{t.__qualname__}", str(exc), None if path is None else str(path),
+            rank, f"{t.__module__}.{t.__qualname__}", message, None if path is None else str(path),
             code if isinstance(code, int) else None, reason if isinstance(reason, str) else None,
         )  # fmt: skip
 
