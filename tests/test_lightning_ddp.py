@@ -130,12 +130,12 @@ def test_stock_lightning_control_hangs_or_loses_the_cause(stock_controls):
 def test_a_save_on_exception_of_a_rank_that_failed_alone_ends_every_rank_before_the_process_group_timeout(tmp_path):
     """ModelCheckpoint(save_on_exception=True) saves from the failing rank's exception handler, then waits in a barrier
     for ranks still held in DDP's allreduce, which only that rank's exit ends: stock Lightning hangs there until the
-    process group's timeout (30 minutes by default; 25 s here). Before, ranksafe removed its wrappers before that save,
-    and hung the same way; now the save waits at most EXCEPTION_SAVE_WAIT (the timeout, when shorter: 8 s here)."""
-    flags = ("--epochs", "3", "--fail-step", "3", "--save-on-exception", "--pg-timeout", "25")
+    process group's timeout (30 minutes by default; 18 s here). Before, ranksafe removed its wrappers before that save,
+    and hung the same way; now the save waits at most EXCEPTION_SAVE_WAIT (the timeout, when shorter: 5 s here)."""
+    flags = ("--epochs", "3", "--fail-step", "3", "--save-on-exception", "--pg-timeout", "18")
     runs = {
         "stock": start(tmp_path / "stock", "--stock", *flags),
-        "ours": start(tmp_path / "ours", *flags, ranksafe_timeout=8),
+        "ours": start(tmp_path / "ours", *flags, ranksafe_timeout=5),
     }
     runs = {name: finish(run) for name, run in runs.items()}
     ended = {}
@@ -143,8 +143,8 @@ def test_a_save_on_exception_of_a_rank_that_failed_alone_ends_every_rank_before_
         assert not run.hung, f"{name} hung:\n{run.output[-3000:]}"
         ended[name] = [run.rank(r)["t_raised"] - run.fault_time() for r in (0, 1)]
         assert all(run.rank(r)["error"] for r in (0, 1)), name
-    assert max(ended["ours"]) < 8 + 10, ended
-    assert min(ended["stock"]) > 20, ended  # the process group's timeout, not the failure, ended them
+    assert max(ended["ours"]) < 5 + 7, ended
+    assert min(ended["stock"]) > 15, ended  # the process group's timeout, not the failure, ended them
     assert "waiting for rank(s) 0" in runs["ours"].rank(1)["error"], runs["ours"].rank(1)["error"]
 
 
