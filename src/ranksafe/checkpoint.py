@@ -78,12 +78,14 @@ def _shard(rank: int) -> str:
     return f"shard-{rank:05d}.pt"
 
 
-def _clashes(posted: list[tuple[frozenset[int] | None, dict[str, Any]]], writer_files: Mapping[str, Any]) -> list[str]:
-    """The files of one step directory that two ranks wrote, or that a rank wrote under a name the writer(s) write
-    after the block, described; ``posted``: each rank's group (the nodes sharing its directory) and files."""
+def _clashes(posted: list[tuple[frozenset[int] | None, dict[str, Any], tuple[str, ...]]]) -> list[str]:
+    """The files of one step directory that two ranks wrote, or that a rank wrote under a name the writers write
+    after the block, described; ``posted``: each rank's group (the nodes sharing its directory), files, and the
+    names of the writer files it passed (any rank's count, so that every rank finds the same clashes)."""
+    writer_files = {name for _, _, names in posted for name in names}
     wrote: dict[tuple[frozenset[int] | None, str], list[int]] = {}
     clashes = []
-    for rank, (group, entries) in enumerate(posted):
+    for rank, (group, entries, _) in enumerate(posted):
         for name in entries:
             if name in writer_files:
                 clashes.append(f"rank {rank} wrote {name}, which the writer writes")
@@ -298,8 +300,11 @@ class CheckpointManager:
             self.check()  # a failed background commit stops every rank here, not a step later
         commit = step_commit(self._dirs.place(step))
         state_kind = "a state with DTensors" if sharded else "no DTensors"
-        exc: BaseException | None = None
-        try:
+        # each rank's root travels along: a rank whose writer writes under another root would never find its steps
+        with together(
+            f"checkpoint {step}: create, {state_kind}", self.timeout, f"checkpoint {step}: create",
+            value=(where.group, self.root), reduce=paths_apart,
+        ) as outcome:  # fmt: skip
             if sharded:
                 require_shared(where, self.root)  # the placement is agreed: every rank with DTensors raises alike
             refuse_sharded(writer_files, f"checkpoint {step}")  # every rank: the writers write theirs whole
@@ -307,14 +312,7 @@ class CheckpointManager:
             if where.writer:
                 self._dirs.clean_debris()
                 commit.create()
-        except BaseException as e:
-            exc = e
-        # each rank's root travels along: a rank whose writer writes under another root would never find its steps
-        name = f"outcome:checkpoint {step}: create, {state_kind}"
-        apart = exchange_outcome(
-            name, (where.group, self.root), exc, paths_apart, self.timeout, f"checkpoint {step}: create"
-        )
-        if apart:
+        if apart := outcome.result:
             if where.writer:
                 commit.abort()
             raise ValueError(f"checkpoint {step}: the ranks sharing a writer have different roots ({'; '.join(apart)})")
@@ -336,10 +334,10 @@ class CheckpointManager:
         step = tx.step
         try:
             posted = exchange_outcome(
-                f"checkpoint {step}: written", (where.group, tx.entries, metrics), exc, list, self.timeout,
-                what=f"checkpoint {step}: write",
+                f"checkpoint {step}: written", (where.group, tx.entries, tuple(writer_files), metrics), exc, list,
+                self.timeout, what=f"checkpoint {step}: write",
             )  # fmt: skip
-            if clashes := _clashes([(group, entries) for group, entries, _ in posted], writer_files):
+            if clashes := _clashes([post[:3] for post in posted]):
                 raise ValueError(
                     f"checkpoint {step}: {'; '.join(clashes)}: one would replace the other in the step directory; "
                     "give each rank's side files a name of their own (f'rng_{rank}.pt')"
@@ -350,10 +348,10 @@ class CheckpointManager:
             if where.writer:
                 commit.abort()
             raise
-        for group, entries, _ in posted:
+        for group, entries, _, _ in posted:
             if group == where.group:
                 tx.entries.update(entries)
-        tx.metrics = posted[0][2]  # rank 0's, on every node
+        tx.metrics = posted[0][3]  # rank 0's, on every node
         self.schedule.saved()
 
     def _commit(self, commit: DirCommit, tx: StepWriter, writer_files: Mapping[str, Any]) -> str:

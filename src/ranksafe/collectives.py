@@ -165,18 +165,34 @@ class together:
     One small collective when nothing fails. The failing rank chains its original exception. Use it
     around any block whose failure on one rank would otherwise leave the others waiting forever in the
     next collective.
+
+    The same exchange can carry a value: each rank's :attr:`value` (given here or set inside the block) goes in, and
+    after the block :attr:`result` is ``reduce(values in rank order)``, the same on every rank (``None`` without
+    ``reduce``), for a check whose inputs are only known once the block ran.
     """
 
-    def __init__(self, name: str = "together", timeout: float | None = None, what: str | None = None):
-        self.name = name
-        self.timeout = timeout
-        self.what = what
+    def __init__(
+        self,
+        name: str = "together",
+        timeout: float | None = None,
+        what: str | None = None,
+        value: Any = None,
+        reduce: Callable[[list], Any] | None = None,
+    ):
+        self.name, self.timeout, self.what = name, timeout, what
+        self.value, self.reduce = value, reduce
+        self.result: Any = None
 
     def __enter__(self) -> together:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        share_outcome(self.name, exc, self.timeout, self.what)
+        if self.reduce is None:
+            share_outcome(self.name, exc, self.timeout, self.what)
+        else:
+            self.result = exchange_outcome(
+                f"outcome:{self.name}", self.value, exc, self.reduce, self.timeout, self.what or self.name
+            )
         return False
 
 

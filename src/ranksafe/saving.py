@@ -14,7 +14,7 @@ from typing import Any
 from . import remote, topology
 from .checkpoint_file import load_file, save_file
 from .choice import Choice
-from .collectives import barrier, exchange_outcome, together
+from .collectives import barrier, together
 from .errors import naming_target
 from .exchange import learn_nodes
 from .files import local_path, make_dirs
@@ -75,20 +75,17 @@ def save(
     """
     path, _ = _checked(path, storage_options)
     writer = Writer(writer)
-    exc: BaseException | None = None
-    try:
+    # the outcome's exchange carries each rank's path: a rank whose writer wrote elsewhere must not return its path
+    with together("save", what=f"save {path}", reduce=paths_apart) as outcome:
         if writer is not Writer.ALL:
             refuse_sharded(obj, f"save {path}")
-        if is_writer(writer):
+        if is_writer(writer):  # with "local", the nodes are known from here on
             save_file(obj, path, storage_options=storage_options, **torch_save_kwargs)
-    except BaseException as e:
-        exc = e
-    # The outcome's exchange carries each rank's path: a rank whose writer wrote elsewhere must not return its path.
-    group = {Writer.MAIN: None, Writer.LOCAL: topology.node_rank(), Writer.ALL: topology.rank()}[writer]
-    apart = exchange_outcome("outcome:save", (group, path), exc, paths_apart, what=f"save {path}")
-    if apart:
+        group = {Writer.MAIN: None, Writer.LOCAL: topology.node_rank(), Writer.ALL: topology.rank()}[writer]
+        outcome.value = (group, path)
+    if apart := outcome.result:
         raise ValueError(
-            f"save with writer={writer.value!r} writes one file per {'node' if group is not None else 'job'}, but "
+            f"save with writer={writer.value!r} writes one file per {'job' if writer is Writer.MAIN else 'node'}, but "
             f"the ranks passed different paths ({'; '.join(apart)}); pass one path, or writer='all' for a file "
             "per rank"
         )
