@@ -497,6 +497,50 @@ def test_check_savers_costs_one_exchange_and_reports_any_saver():
         assert v["ranks"] == [0] and v["os"] and "second saver" in v["msg"]
 
 
+def _async_paths(rank, base):
+    from ranksafe import topology
+
+    topology.hostname = lambda: "node0" if rank < 2 else "node1"  # ranks 0, 1 on one host, rank 2 on another
+    out = {}
+    cases = {  # what each rank passes to save; a per-rank name with one writer is the slip
+        "main, path per rank": ("main", f"preds_{rank}.pt"),
+        "main, one path": ("main", "preds.pt"),
+        "main, rank 0 alone": ("main", "alone.pt" if rank == 0 else None),
+        "local, path per node": ("local", f"node{1 if rank == 2 else 0}.pt"),
+        "local, path per rank": ("local", f"local_{rank}.pt"),
+    }
+    for case, (writer, name) in cases.items():
+        saver = AsyncSaver(writer=writer)
+        saver.warmup({"w": torch.zeros(4)}, base)  # learns the nodes on every rank, as its docstring asks
+        if name is not None:
+            saver.save({"w": torch.zeros(4)}, os.path.join(base, name))
+        for call in ("check", "close"):
+            try:
+                getattr(saver, call)()
+                out[case, call] = "ok"
+            except ValueError as e:
+                out[case, call] = str(e)
+    return out
+
+
+def test_a_rank_that_saved_where_its_writer_did_not_gets_an_error_at_the_check_on_every_rank(tmp_path):
+    """save() on a rank that is not a writer returns False and writes nothing: a per-rank path there was a file that
+    would never exist, and no call said so. The next check() raises on every rank instead, once (close() after it is
+    clean)."""
+    values = run_ranks(_async_paths, 3, args=(str(tmp_path),), timeout=90).values
+    for rank, out in enumerate(values):
+        for case in ("main, one path", "main, rank 0 alone", "local, path per node"):
+            assert out[case, "check"] == out[case, "close"] == "ok", (rank, case, out[case, "check"])
+        for case, apart in (("main, path per rank", "preds_1.pt"), ("local, path per rank", "local_1.pt")):
+            message = out[case, "check"]
+            assert "saved to paths their writer did not" in message and apart in message, (rank, case, message)
+            assert out[case, "close"] == "ok", (rank, case)  # reported once
+        assert "preds_2.pt" in out["main, path per rank", "check"]  # rank 2 too, on the other node
+        assert "local_2.pt" not in out["local, path per rank", "check"]  # rank 2 is node 1's writer
+    written = ["alone.pt", "local_0.pt", "local_2.pt", "node0.pt", "node1.pt", "preds.pt", "preds_0.pt"]
+    assert sorted(os.listdir(tmp_path)) == written
+
+
 def _script(code: str, timeout: float = 90) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter, bounded: a regression that hangs fails here instead of hanging CI."""
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)

@@ -137,6 +137,8 @@ class AsyncSaver:
         self.writer = Writer(writer)
         self.name = name
         self.staging = StagingBuffers()
+        # the paths save() was given since the last check: check() finds a path this rank's writer never saved
+        self._asked: set[str] = set()
         # the unreported failure, in a cell shared with a finalizer: a saver dropped unchecked still reports it
         self._failure: list[BaseException | None] = [None]
         weakref.finalize(self, _report_unchecked, self._failure).atexit = False  # at exit: _wait_at_exit
@@ -180,13 +182,17 @@ class AsyncSaver:
 
         Returns once the snapshot is taken: ``True`` when this rank queued a write, ``False`` when it is
         not a writer or the ``"skip"`` policy dropped this checkpoint. The answer is this rank's only:
-        never branch into a collective on it. The parent directory is created if needed. ``path`` may be a URL
+        never branch into a collective on it. A rank that is not a writer passes the path its writer saves to (or
+        none): the next :meth:`check` or :meth:`close` raises ``ValueError`` on every rank when one passed a path
+        that its writer did not, where no file will be. The parent directory is created if needed. ``path`` may be a URL
         of remote storage (``storage_options=`` for its file system, among the keyword arguments).
         """
         storage_options = torch_save_kwargs.pop("storage_options", None)
         # a relative path is resolved now, as torch.save does: the write runs later, maybe after a chdir
         path = remote.Remote.of(path, storage_options).url if remote.is_url(path) else os.path.abspath(local_path(path))
 
+        if self.writer is not Writer.ALL:
+            self._asked.add(path)
         write = functools.partial(save_file, path=path, storage_options=storage_options, **torch_save_kwargs)
         return self.submit(state, write, on_commit, what=remote.where(path))
 
@@ -335,6 +341,8 @@ class AsyncSaver:
         A collective costing one exchange, which waits for every rank: a barrier that also reports failures
         (at every step, :meth:`poll` costs less). Each failure is reported once, a failure that :meth:`poll`
         has posted but not yet raised included. In a single process the original error is raised unchanged.
+        Raises ``ValueError`` on every rank when a rank gave :meth:`save` a path its writer did not since the last
+        check (see :meth:`save`).
         """
         self._not_from_writer_thread("check")
         check_savers([self], self.name)
@@ -345,6 +353,12 @@ class AsyncSaver:
         with self._error_lock:
             err, self._failure[0] = self._failure[0], None
         return err
+
+    def take_asked(self) -> frozenset[str]:
+        """The paths :meth:`save` was given since the last call; local. :func:`~ranksafe.saver_failures.check_savers`
+        compares them with those of this rank's writer."""
+        asked, self._asked = frozenset(self._asked), set()
+        return asked
 
     def restore_error(self, err: BaseException) -> None:
         """Mark ``err`` unreported again (its exchange failed), unless a newer failure took its place."""

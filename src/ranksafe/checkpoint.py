@@ -303,7 +303,7 @@ class CheckpointManager:
         # each rank's root travels along: a rank whose writer writes under another root would never find its steps
         with together(
             f"checkpoint {step}: create, {state_kind}", self.timeout, f"checkpoint {step}: create",
-            value=(where.group, self.root), reduce=paths_apart,
+            value=(where.group, (self.root,)), reduce=paths_apart,
         ) as outcome:  # fmt: skip
             if sharded:
                 require_shared(where, self.root)  # the placement is agreed: every rank with DTensors raises alike

@@ -13,9 +13,10 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from . import topology
-from .collectives import share_outcome
+from .collectives import exchange_outcome
 from .errors import BarrierTimeout, CollectiveMismatch, Failure, rank_failure
 from .notice import StepNotice
+from .saving import Writer, paths_apart, writer_group
 
 if TYPE_CHECKING:
     from .async_save import AsyncSaver
@@ -28,7 +29,10 @@ def check_savers(savers: Iterable[AsyncSaver], name: str = "async save", point: 
     rank. One failure per call is reported (the first saver's); another saver's stays pending for the next.
     ``point`` names where in training the check is (``check``, ``close``): ranks at different points mismatch.
     When the exchange itself fails (a rank missing, ranks elsewhere), the failure taken for it stays pending.
+    The same exchange carries the paths each saver was given since the last check: where a rank gave one that its
+    writer did not (``save(state, f"model_{rank}.pt")`` with one writer), every rank raises ``ValueError``.
     """
+    savers = list(savers)
     err, owner = None, None
     for saver in savers:
         err = saver.take_error()
@@ -38,12 +42,26 @@ def check_savers(savers: Iterable[AsyncSaver], name: str = "async save", point: 
     if owner is not None and owner.carried_by is not None:  # the exchange reports it: no rank acts on the notice
         owner.carried_by.withdraw()
         owner.carried_by = None
+    asked = [(writer_group(saver.writer), saver.take_asked()) for saver in savers]
     try:
-        share_outcome(f"{name}: {point}", err)
+        apart = exchange_outcome(f"outcome:{name}: {point}", asked, err, _apart_per_saver, what=f"{name}: {point}")
     except (BarrierTimeout, CollectiveMismatch):
         if owner is not None:
             owner.restore_error(err)
         raise
+    for saver, paths in zip(savers, apart, strict=False):  # shorter where a rank passed fewer savers
+        if paths:
+            raise ValueError(
+                f"{saver.name}: with writer={saver.writer.value!r} one rank writes for the "
+                f"{'job' if saver.writer is Writer.MAIN else 'node'}, but ranks saved to paths their writer did not "
+                f"({'; '.join(paths)}): no file is there. Pass every rank the writer's path, or writer='all' for a "
+                "file per rank"
+            )
+
+
+def _apart_per_saver(posts: list[list[tuple]]) -> list[list[str]]:
+    """For each saver, the paths a rank was given that its writer was not (:func:`~ranksafe.saving.paths_apart`)."""
+    return [paths_apart(list(per_rank)) for per_rank in zip(*posts, strict=False)]
 
 
 def poll_savers(savers: Sequence[AsyncSaver]) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Hashable
+from collections.abc import Collection, Hashable
 from typing import Any
 
 from . import remote, topology
@@ -81,8 +81,7 @@ def save(
             refuse_sharded(obj, f"save {path}")
         if is_writer(writer):  # with "local", the nodes are known from here on
             save_file(obj, path, storage_options=storage_options, **torch_save_kwargs)
-        group = {Writer.MAIN: None, Writer.LOCAL: topology.node_rank(), Writer.ALL: topology.rank()}[writer]
-        outcome.value = (group, path)
+        outcome.value = (writer_group(writer), (path,))
     if apart := outcome.result:
         raise ValueError(
             f"save with writer={writer.value!r} writes one file per {'job' if writer is Writer.MAIN else 'node'}, but "
@@ -92,15 +91,24 @@ def save(
     return path
 
 
-def paths_apart(posts: list[tuple[Hashable, str]]) -> list[str]:
-    """``posts``: each rank's group (the ranks one writer writes for) and path. The ranks whose path differs from
-    the path of their group's first rank, described: a path where that writer writes nothing."""
-    first: dict[Hashable, tuple[int, str]] = {}
+def writer_group(writer: Writer) -> Hashable:
+    """What this rank's writer writes for under ``writer``: the job (``main``), this rank's node (``local``), or this
+    rank alone (``all``). Collective the first time with ``local``, as :func:`is_writer` is."""
+    if writer is Writer.LOCAL:
+        learn_nodes()
+    return {Writer.MAIN: None, Writer.LOCAL: topology.node_rank(), Writer.ALL: topology.rank()}[writer]
+
+
+def paths_apart(posts: list[tuple[Hashable, Collection[str]]]) -> list[str]:
+    """``posts``: each rank's group (the ranks one writer writes for) and the paths it passed. The paths a rank
+    passed that the first rank of its group (its writer) did not, described: paths where that writer writes nothing."""
+    first: dict[Hashable, tuple[int, Collection[str]]] = {}
     apart = []
-    for rank, (group, path) in enumerate(posts):
-        writer, written = first.setdefault(group, (rank, path))
-        if path != written:
-            apart.append(f"rank {rank} has {path} where rank {writer} has {written}")
+    for rank, (group, paths) in enumerate(posts):
+        writer, written = first.setdefault(group, (rank, paths))
+        if missing := sorted(set(paths) - set(written)):
+            had = ", ".join(sorted(written)) or "none"
+            apart.append(f"rank {rank} has {', '.join(missing)} where rank {writer} has {had}")
     return apart
 
 
