@@ -6,6 +6,7 @@ Simulated nodes come from tests/test_storage.py: the same path reaches a differe
 from __future__ import annotations
 
 import builtins
+import errno
 import io
 import os
 import pathlib
@@ -491,3 +492,45 @@ def test_a_step_removed_while_it_is_listed_is_left_out(tmp_path, monkeypatch):
 
     monkeypatch.setattr(steps, "_step_info", removed_first)
     assert [s.step for s in list_steps(tmp_path, deep=True)] == [1, 3]
+
+
+def _warmups_on_a_small_disk(rank, disk):
+    from ranksafe.async_save import AsyncSaver
+
+    calls = {
+        "CheckpointManager": lambda state: CheckpointManager(disk, storage="shared").warmup(state),
+        "CheckpointManager, async": lambda state: CheckpointManager(disk, async_save=True).warmup(state),
+        "AsyncSaver": lambda state: AsyncSaver().warmup(state, disk),
+    }
+    out = {}
+    for megabytes in (1, 4):  # the disk holds 2 MiB
+        for name, call in calls.items():
+            try:
+                call({"w": torch.zeros(megabytes << 18)})
+                out[name, megabytes] = "ok"
+            except ranksafe.RankFailure as e:
+                out[name, megabytes] = (e.errno, e.ranks, str(e))
+    return out
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    yield disk
+    subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_a_warmup_on_a_disk_without_room_for_one_checkpoint_fails_on_every_rank(small_disk):
+    """A 4 MiB state on a 2 MiB disk: every warmup raises ENOSPC on both ranks, naming the disk and the room it
+    lacks (the manager's warmup wrote its small probe and said nothing: the first save failed, steps later)."""
+    for rank, out in enumerate(run_ranks(_warmups_on_a_small_disk, 2, args=(str(small_disk),), timeout=60).values):
+        for name in ("CheckpointManager", "CheckpointManager, async", "AsyncSaver"):
+            assert out[name, 1] == "ok", (rank, name, out[name, 1])
+            code, ranks, message = out[name, 4]
+            assert code == errno.ENOSPC and ranks == [0], (rank, name, message)
+            assert f"cannot write checkpoints to {small_disk} (rank 0)" in message, message
+            assert "one checkpoint needs 4194304" in message, message

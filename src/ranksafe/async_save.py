@@ -13,7 +13,6 @@ thread itself never runs a collective: it would race the training thread's colle
 from __future__ import annotations
 
 import atexit
-import errno
 import functools
 import multiprocessing.util
 import os
@@ -24,7 +23,7 @@ from collections.abc import Callable
 from enum import Enum
 from typing import Any
 
-from . import remote, topology
+from . import remote
 from .checkpoint_file import probe_write, save_file
 from .choice import Choice
 from .collectives import together
@@ -390,13 +389,7 @@ class AsyncSaver:
                         with self.lock.read():
                             self.staging.capture(example_state)
                 with naming_target("cannot write checkpoints to", directory):
-                    free = probe_write(directory, storage_options)
-                if free is not None and free < self.staging.nbytes:
-                    raise OSError(
-                        errno.ENOSPC,
-                        f"{directory} (rank {topology.rank()}) has {free} bytes free, "
-                        f"one checkpoint needs {self.staging.nbytes}",
-                    )
+                    probe_write(directory, storage_options, needs=self.staging.nbytes)
 
     def close(self) -> None:
         """Wait for the write in flight, stop the writer thread, then check as :meth:`check` does; collective.

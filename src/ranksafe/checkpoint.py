@@ -50,6 +50,7 @@ from .commit import (
 )
 from .errors import naming_target
 from .files import local_path
+from .flatten import Flattened
 from .lock import StateDictLock
 from .remote import Remote
 from .retention import BestMode, Retention, StepMetrics
@@ -76,6 +77,11 @@ STATE = "state.pt"
 
 def _shard(rank: int) -> str:
     return f"shard-{rank:05d}.pt"
+
+
+def _nbytes(state: Any) -> int:
+    """The bytes of the tensors in ``state``: about what a checkpoint of it takes on disk."""
+    return sum(t.nbytes for t in Flattened(state).sources)
 
 
 def _clashes(posted: list[tuple[frozenset[int] | None, dict[str, Any], tuple[str, ...]]]) -> list[str]:
@@ -209,17 +215,18 @@ class CheckpointManager:
     def warmup(self, example_state: Any = None) -> None:
         """Before training, on every rank: fail now, not at the first save, when ``root`` cannot be written (a file
         in the way, a missing permission, a bucket that does not exist or no credentials) or, on remote storage,
-        is not the same for every rank (``memory://`` lives in one process); with ``async_save``, also allocate
-        the staging buffers for ``example_state``. Collective."""
+        is not the same for every rank (``memory://`` lives in one process), or a local root has no room for
+        ``example_state``'s tensors; with ``async_save``, also allocate the staging buffers for it. Collective."""
         where, probe = self.placement, None
         shards = None if example_state is None else for_dcp(example_state)
         if shards is not None:  # sharded state: refused now on storage that cannot hold it; every rank stages
             require_shared(where, self.root)
         with together(f"checkpoint {self.root}: warmup", self.timeout):
-            if where.writer:
-                probe = probe_root(self._base)
             if self._saver is not None and example_state is not None and (where.writer or shards is not None):
                 self._saver.staging.capture(example_state if shards is None else shards)
+            if where.writer:  # room for the writer's files; each rank's shards are not counted
+                needs = 0 if example_state is None or shards is not None else _nbytes(example_state)
+                probe = probe_root(self._base, needs)
         if isinstance(self._base, Remote):
             check_every_rank_sees(self._base, probe, self.timeout)
 

@@ -10,6 +10,7 @@ silently as wrong values).
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import os
 import pickle
@@ -221,21 +222,23 @@ def save_file(
     return remote.split(path)[1]
 
 
-def probe_write(directory: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> int | None:
-    """Write and remove a small checkpoint in ``directory`` (created if needed); return the bytes free there, or
-    None on remote storage (a URL). Raises what the write raised: a missing permission, a file in the way, a
-    bucket that does not exist. No collectives."""
+def probe_write(directory: str | os.PathLike, storage_options: dict[str, Any] | None = None, needs: int = 0) -> None:
+    """Write and remove a small checkpoint in ``directory`` (created if needed). Raises what the write raised (a
+    missing permission, a file in the way, a bucket that does not exist), or ``ENOSPC`` when a local ``directory``
+    has fewer than ``needs`` bytes free: room for one checkpoint. No collectives."""
     probe = torch.zeros(1024)
     if remote.is_url(directory):
         target = remote.Remote.of(directory, storage_options).child(f".ranksafe-probe-{secrets.token_hex(4)}")
         atomic_save(probe, target.url, storage_options)
         target.remove()
-        return None
+        return
     directory = make_dirs(directory)
     path = os.path.join(directory, f".ranksafe-probe-{secrets.token_hex(4)}")
     atomic_save(probe, path)
     os.unlink(path)
-    return shutil.disk_usage(directory).free
+    free = shutil.disk_usage(directory).free
+    if free < needs:
+        raise OSError(errno.ENOSPC, f"{free} bytes free, one checkpoint needs {needs}")
 
 
 def verify_file(path: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> bool:

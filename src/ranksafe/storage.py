@@ -225,15 +225,15 @@ def _from_groups(groups: dict[int, frozenset[int]], directory: str) -> Placement
     return Placement(kind, topology.is_local_main() and node == min(mine), mine)
 
 
-def probe_root(base: Place) -> Remote | None:
-    """Whether a root of checkpoints can be written (an ``OSError`` names it): locally, a small checkpoint written
-    and removed; on remote storage, one object uploaded as a checkpoint is and left there for
-    :func:`check_every_rank_sees`, which removes it (returned). Local: the writer's part of a warmup (unlike
-    :func:`probe`, it asks whether the root can be written, not who shares it)."""
+def probe_root(base: Place, needs: int = 0) -> Remote | None:
+    """Whether a root of checkpoints can be written (an ``OSError`` names it). Locally, a small checkpoint written
+    and removed, and ``needs`` bytes free (``ENOSPC`` otherwise); on remote storage, one object uploaded as a
+    checkpoint is and left there for :func:`check_every_rank_sees`, which removes it (returned). Local: the writer's
+    part of a warmup (unlike :func:`probe`, it asks whether the root can be written, not who shares it)."""
     root = name_of(base)
     with naming_target("cannot write checkpoints to", root):
         if not isinstance(base, Remote):
-            probe_write(root)
+            probe_write(root, needs=needs)
             return None
         probe = base.child(f"{PROBE_PREFIX}{os.getpid()}")
         with open_for_commit(probe) as f:
