@@ -89,7 +89,23 @@ def test_a_url_without_a_file_system_is_refused_before_anything_is_written(tmp_p
         ranksafe.save({"w": 1}, "file://otherhost/m.pth")  # fsspec would write ./otherhost/m.pth
     with pytest.raises(ValueError, match=r"file://otherhost/run \(rank 0\)"):
         ranksafe.CheckpointManager("file://otherhost/run")
+    # fsspec's chained URLs were taken for local paths: ./simplecache::memory:/run/m.pth, and save returned
+    chained = r"simplecache::memory://run/m.pth \(rank 0\): chained URLs are not supported"
+    with pytest.raises(ValueError, match=chained):
+        ranksafe.save({"w": 1}, "simplecache::memory://run/m.pth")
+    with pytest.raises(ValueError, match=chained):
+        ranksafe.AsyncSaver().save({"w": 1}, "simplecache::memory://run/m.pth")
+    with pytest.raises(ValueError, match="chained URLs are not supported"):
+        ranksafe.CheckpointManager("simplecache::memory://run").save(1, {"w": torch.ones(1)})
     assert os.listdir(tmp_path) == []
+
+
+def test_a_url_ending_in_a_slash_is_refused_as_a_local_folder_is(memory, tmp_path):
+    """Before, save("memory://models/") wrote the object memory://models; a local "models/" raises."""
+    for call in (ranksafe.save, ranksafe.AsyncSaver().save):
+        with pytest.raises(IsADirectoryError, match=r"memory://models/ \(rank 0\) ends with '/'"):
+            call({"w": torch.ones(1)}, "memory://models/")
+    assert memory.find("/") == []
 
 
 def test_s3_object_is_committed_whole_or_not_at_all(s3):
@@ -285,3 +301,19 @@ def test_the_command_line_verifies_and_lists_remote_steps(memory, capsys):
     assert cli.main(["verify", "memory://cli/step_00000001"]) == 1
     assert cli.main(["ls", "memory://cli"]) == 1
     assert "size is 4 bytes, the manifest says" in capsys.readouterr().err + ""
+
+
+def test_a_reader_sees_a_step_commit_that_another_client_wrote_after_the_reader_listed_it(s3):
+    """s3fs answers exists() and size() from its last listing of the parent. A reader (an eval job polling a running
+    job's root) that listed a step while it was written saw it incomplete for good: latest() stayed at the step
+    before. The writer here is a client of its own, as another process's would be."""
+    root = "s3://ckpt/reader"
+    writer = ranksafe.CheckpointManager(root, keep=None, storage_options={"skip_instance_cache": True})
+    writer.save(1, {"w": torch.ones(2)})
+    with writer.saving(2, {"state.pt": {"w": torch.zeros(2)}}) as step:
+        step.save(b"side", "side.bin")  # an object under the step's prefix, and no manifest yet
+        during = [(s.step, s.status.value) for s in ranksafe.list_steps(root)]
+    after = [(s.step, s.status.value) for s in ranksafe.list_steps(root)]
+    assert during == [(1, "committed"), (2, "incomplete")]
+    assert after == [(1, "committed"), (2, "committed")]
+    assert ranksafe.CheckpointManager(root, keep=None).latest() == 2

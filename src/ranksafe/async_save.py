@@ -188,7 +188,7 @@ class AsyncSaver:
         """
         storage_options = torch_save_kwargs.pop("storage_options", None)
         # a relative path is resolved now, as torch.save does: the write runs later, maybe after a chdir
-        path = remote.Remote.of(path, storage_options).url if remote.is_url(path) else os.path.abspath(local_path(path))
+        path = remote.file_url(path, storage_options) if remote.is_url(path) else os.path.abspath(local_path(path))
 
         if self.writer is not Writer.ALL:
             self._asked.add(path)

@@ -29,8 +29,7 @@ def _size(n: float) -> str:
 
 def _file_size(path: str) -> int:
     if remote.is_url(path):
-        target = remote.Remote.of(path)
-        return target.fs.size(target.path)
+        return remote.Remote.of(path).size()
     return os.path.getsize(path)
 
 

@@ -246,7 +246,7 @@ def step_files(directory: Place) -> Iterator[str]:
 
 
 def size_of(place: Place) -> int:
-    return place.fs.size(place.path) if isinstance(place, Remote) else os.stat(place).st_size
+    return place.size() if isinstance(place, Remote) else os.stat(place).st_size
 
 
 def build_manifest(

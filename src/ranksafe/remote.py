@@ -35,10 +35,16 @@ TMP_SUFFIX = ".ranksafe-tmp"
 
 def split(path: str | os.PathLike) -> tuple[str | None, str]:
     """``(None, local path)`` or ``(scheme, URL)``. A ``file://`` URL is a local path; pathlib's ``s3:/bucket/x``
-    (what ``Path("s3://bucket/x")`` prints) is the URL ``s3://bucket/x``."""
+    (what ``Path("s3://bucket/x")`` prints) is the URL ``s3://bucket/x``. Raises ``ValueError`` for fsspec's chained
+    URLs (``simplecache::s3://...``), which would otherwise pass for a local path."""
     path = os.fspath(path)
     if isinstance(path, bytes):
         path = os.fsdecode(path)
+    if "::" in path and _URL.match(path.rsplit("::", 1)[-1]):  # fsspec's chaining, "simplecache::s3://bucket/x"
+        raise ValueError(
+            f"{where(path)}: chained URLs are not supported; a caching layer writes the store later, or never, "
+            "where ranksafe must know the object committed. Pass the store's own URL"
+        )
     m = _URL.match(path)
     if m is None:
         return None, path
@@ -88,6 +94,14 @@ def exists(path: str | os.PathLike, storage_options: dict[str, Any] | None = Non
     return os.path.exists(path)
 
 
+def file_url(path: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> str:
+    """The URL of one file (an object), resolved (:meth:`Remote.of`). A URL ending in ``/`` names a folder: refused,
+    as a local path is, rather than written as an object named after the folder."""
+    if os.fspath(path).endswith("/"):
+        raise IsADirectoryError(errno.EISDIR, f"{where(path)} ends with '/': a file's path, not a directory's")
+    return Remote.of(path, storage_options).url
+
+
 @dataclass(frozen=True)
 class Remote:
     """A URL and the fsspec file system that serves it (``fs``), with the path that file system uses (``path``)."""
@@ -125,7 +139,19 @@ class Remote:
         return self.path.rsplit("/", 1)[-1]
 
     def exists(self) -> bool:
+        self._forget()
         return self.fs.exists(self.path)
+
+    def size(self) -> int:
+        """The object's size in bytes (``FileNotFoundError`` if there is none)."""
+        self._forget()
+        return self.fs.size(self.path)
+
+    def _forget(self) -> None:
+        """Drop what the file system remembers of this path and its parents. s3fs answers ``exists`` and ``size``
+        from its last listing of the parent, which another process may have written into since: a step committed
+        there would still look incomplete to a reader, and a probe written by rank 0 missing to rank 1."""
+        self.fs.invalidate_cache(self.path)
 
     def read(self) -> bytes:
         """The whole object (``FileNotFoundError`` naming the URL if there is none)."""

@@ -46,11 +46,11 @@ def is_writer(writer: Writer | str = Writer.MAIN) -> bool:
 StorageOptions = dict[str, Any] | None
 
 
-def _checked(path: str | os.PathLike, storage_options: StorageOptions) -> tuple[str, bool]:
-    """``(path or URL, is a URL)``, the URL resolved once on every rank: one without a file system raises here,
-    on every rank, before any collective."""
+def _checked(path: str | os.PathLike, storage_options: StorageOptions, file: bool = True) -> tuple[str, bool]:
+    """``(path or URL, is a URL)``, the URL resolved once on every rank: one without a file system, or a ``file``'s
+    ending in ``/``, raises here, on every rank, before any collective."""
     if remote.is_url(path):
-        return remote.Remote.of(path, storage_options).url, True
+        return remote.file_url(path, storage_options) if file else remote.Remote.of(path, storage_options).url, True
     return local_path(path), False
 
 
@@ -150,7 +150,7 @@ def prepare_dir(
     ``FileExistsError`` on every rank. All ranks return together, after the directory exists. On remote storage
     (a URL) "non-empty" means any object under the prefix.
     """
-    path, url = _checked(path, storage_options)
+    path, url = _checked(path, storage_options, file=False)
     with together("prepare_dir", what=f"prepare_dir {path}"):
         if is_writer(writer):
             if url:
