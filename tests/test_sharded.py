@@ -242,12 +242,18 @@ def _two_ranks(rank, root, step2):
     model, opt = _model(2, seed=3)
     manager = CheckpointManager(root, keep=None)
     into = _scrambled(_state(model, opt, epoch=0))
+    # into= on one rank only: both meet a CollectiveMismatch at once (was: rank 0 went into DCP's collectives, rank 1
+    # into a plain load's, and both waited out the timeout); without into= anywhere, a message that says to pass it
+    one_side = _attempt(lambda: manager.load(into=into if rank == 0 else None))
+    without = _attempt(lambda: manager.load())
     manager.load(into=into)  # the latest step, saved by 4 ranks
     set_state_dict(model, opt, model_state_dict=into["model"], optim_state_dict=into["optim"])
     out = {
         "step": manager.loaded_step,
         "epoch": into["epoch"],
         "differs": _differing(_full(_state(model, opt, 2)), step2),
+        "into= on rank 0 only": one_side,
+        "no into=": without,
     }
     _train(model, opt, seed=4)
     manager.save(3, {"app": _App(model, opt)})
@@ -323,6 +329,9 @@ def test_fsdp2_saves_reshard_4_2_1_and_damage_or_a_killed_writer_never_loads(tmp
     survivor = two[1].value
     assert (survivor["step"], survivor["epoch"], survivor["differs"]) == (2, 2, [])  # 4 ranks -> 2
     assert survivor["step 4"] != "done" and not two[1].hung
+    assert survivor["into= on rank 0 only"].startswith("CollectiveMismatch: "), survivor["into= on rank 0 only"]
+    assert "verify, sharded, into=" in survivor["into= on rank 0 only"]
+    assert survivor["no into="].startswith("RankFailure[ValueError]: ") and "load it with into=" in survivor["no into="]
     for name in ("sync failure", "snapshot failure", "background failure"):
         kind, ranks, code, said = survivor[name]
         assert (kind, ranks, code) == ("RankFailure[OSError]", [1], errno.ENOSPC), survivor[name]

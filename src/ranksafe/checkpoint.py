@@ -56,7 +56,7 @@ from .remote import Remote
 from .retention import BestMode, Retention, StepMetrics
 from .saving import paths_apart
 from .schedule import SaveSchedule
-from .sharded import StepShards, for_dcp, read_shards, refuse_sharded, require_shared
+from .sharded import METADATA, StepShards, for_dcp, read_shards, refuse_sharded, require_shared
 from .step_agreement import committed_everywhere, verdict
 from .steps import StepDirs, StepInfo, check_step, list_steps
 from .storage import Placement, Storage, check_every_rank_sees, placement, probe_root
@@ -477,12 +477,22 @@ class CheckpointManager:
                 result = read_shards(into, name_of(self._dirs.place(s)), f"checkpoint {s}: load", weights_only)
             else:
                 with together(f"checkpoint {s}: load", self.timeout):
-                    path = join(self._dirs.place(s), _shard(topology.rank()) if sharded else STATE)
-                    result = load_file(name_of(path), map_location, weights_only, storage_options=self.storage_options)
+                    result = self._read_file(s, map_location, weights_only, sharded)
         finally:
             self._loading.difference_update(candidates)
         self.loaded_step = s
         return result
+
+    def _read_file(self, step: int, map_location: Any, weights_only: bool | None, per_rank: bool) -> Any:
+        """Step ``step``'s ``state.pt``, or this rank's file; a step that holds sharded state instead says so."""
+        place = self._dirs.place(step)
+        path = name_of(join(place, _shard(topology.rank()) if per_rank else STATE))
+        try:
+            return load_file(path, map_location, weights_only, storage_options=self.storage_options)
+        except FileNotFoundError:
+            if not per_rank and remote.exists(name_of(join(place, METADATA)), self.storage_options):
+                raise ValueError(f"{name_of(place)} holds sharded state: load it with into=") from None
+            raise
 
     def _candidates(self, step: int | None, fallback: bool) -> list[int]:
         """The steps :meth:`load` may read, in the order it tries them: ``step``, or the newest common one (and,

@@ -47,7 +47,10 @@ def verdict(
         except Exception as e:  # whatever the writer met, every rank must hear of it in the exchange below
             exc = e
     try:
-        share_outcome(f"checkpoint {step}: verify", exc, timeout, what=f"verify step {step}")
+        # named after the kind of load: ranks of which some pass into= and some do not meet a CollectiveMismatch
+        # here, at once, instead of parting into DCP's collectives and a plain load's
+        kind = "sharded, into=" if split else "whole"
+        share_outcome(f"checkpoint {step}: verify, {kind}", exc, timeout, what=f"verify step {step}")
     except (BarrierTimeout, CollectiveMismatch):
         raise
     except Exception as e:  # RankFailure; in a single process, the writer's own error
