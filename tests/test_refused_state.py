@@ -128,6 +128,7 @@ def test_a_sharded_dtensor_is_saved_whole_by_a_manager_and_refused_by_one_writer
         for name in ("extra file", "save", "async"):  # what one writer writes whole is refused
             said = out[name]
             assert "sharded DTensors ('" in said and "Shard(dim=0)" in said, (rank, name, said)
+            assert "in a dict with CheckpointManager.save(step, {'model'" in said  # not "the call you just made"
         assert "RankFailure[ValueError]" in out["extra file"] and "ranks 0, 1, 2, 3" in out["extra file"]
         assert out["own shard"] == out["expected shard"]
     assert not os.path.exists(tmp_path / "model.pt") and not os.path.exists(tmp_path / "async.pt")

@@ -103,9 +103,9 @@ def refuse_sharded(state: Any, what: str) -> None:
     more = f" and {len(found) - 3} more" if len(found) > 3 else ""
     raise ValueError(
         f"{what}: the state holds sharded DTensors ({shown}{more}); one writer would save its own shards only and "
-        "drop the other ranks'. Save it with CheckpointManager.save(step, state), where every rank writes its "
-        "shards (torch.distributed.checkpoint), or gather full tensors first (torch.distributed.checkpoint."
-        "state_dict.get_state_dict with StateDictOptions(full_state_dict=True))"
+        "drop the other ranks'. Save it in a dict with CheckpointManager.save(step, {'model': ..., 'optim': ...}), "
+        "where every rank writes its shards (torch.distributed.checkpoint), or gather full tensors first "
+        "(torch.distributed.checkpoint.state_dict.get_state_dict with StateDictOptions(full_state_dict=True))"
     )
 
 
@@ -122,15 +122,17 @@ def require_shared(where: Placement, root: str) -> None:
     """Refuse a root that not every rank sees whole: to reshard, every rank reads every rank's shards. ``where``:
     the root's placement, agreed by every rank, so every rank raises alike."""
     if remote.is_url(root):
-        why = "remote storage is not supported for sharded state"
+        why = "remote storage is not supported for sharded state. Use a shared file system (NFS, Lustre)"
     elif where.kind is not StorageKind.SHARED:
-        why = f"this one is {where.kind} (each node sees its own copy)"
+        why = (
+            f"this one is {where.kind} (each node sees its own copy). Use a shared file system (NFS, Lustre), or "
+            "pass storage='shared' if it is one"
+        )
     else:
         return
     raise ValueError(
         f"{root} (rank {topology.rank()}): sharded state needs a directory every rank shares, since every rank "
-        f"reads every shard to reshard at load; {why}. Use a shared file system (NFS, Lustre), or pass "
-        "storage='shared' if it is one"
+        f"reads every shard to reshard at load; {why}"
     )
 
 
