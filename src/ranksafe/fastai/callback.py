@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterable
+from functools import partial
 from typing import Any
 
 from fastai.callback.core import Callback
@@ -39,7 +40,7 @@ from ..storage import Storage
 from . import learner
 from .distributed import any_backend, prepare_distributed
 from .guards import guard, put_back, quiet_csv_loggers, quiet_trackers, refuse_remote_csv
-from .learner import METHODS, install, stock_method, uninstall
+from .learner import stock_method
 from .mid_epoch import end_resumed_epoch
 from .steps import Fit, FitSteps
 
@@ -160,12 +161,12 @@ class RankSafe(Callback):
         if ending:  # given to one fit, taken off as it ends: fastai's fit, not the `fit` below, so do what it does
             self._end_fit(exc)
         if self._learn is not None:
-            uninstall(self._learn, self._installed, _METHODS)
+            _uninstall(self._learn, self._installed)
             vars(self._learn).pop("preempted", None)
         self._learn, self._installed = learn, ()
         if learn is not None:
             self._exported_ranks |= prepare_distributed()
-            self._installed = install(learn, _METHODS, added=("resume",))
+            self._installed = _install(learn)
             vars(learn)["preempted"] = self._preempted
         if ending:
             _meet_or_abort(exc)
@@ -395,10 +396,6 @@ def resume(learn: Learner, resume: bool = True) -> Learner:
     return learn
 
 
-_METHODS = {**METHODS, "fit": fit, "resume": resume}
-"""What RankSafe installs on its Learner: the rank-safe writers and readers, ``fit`` and ``resume``."""
-
-
 class RankSafeLearner:
     """Mixin that makes a Learner class rank-safe: ``class MyLearner(RankSafeLearner, TextLearner)``. Its methods
     are ranksafe's (as :class:`RankSafe` installs them), and every instance gets the :class:`RankSafe` callback."""
@@ -412,3 +409,33 @@ class RankSafeLearner:
         super().__init__(*args, **kwargs)
         if not any(isinstance(cb, RankSafe) for cb in self.cbs):
             self.add_cb(RankSafe())
+
+
+_METHODS = {name: method for name, method in vars(RankSafeLearner).items() if not name.startswith("_")}
+"""What RankSafe installs on its Learner, by name: the mixin's methods."""
+
+
+def _install(learn: Learner) -> tuple[str, ...]:
+    """Give ``learn`` (that instance only) ``resume`` and the mixin's methods its class has (from fastai, not from the
+    mixin), where the instance has no attribute of that name; returns their names. Each is a ``functools.partial`` of
+    a module-level function: it pickles by reference, where pickle would bring a bound method back as the class's own
+    (it looks it up by name)."""
+    kind = type(learn)
+    names = tuple(
+        name
+        for name, method in _METHODS.items()
+        if name not in vars(learn)
+        and getattr(kind, name, None) is not method
+        and (name == "resume" or hasattr(kind, name))
+    )
+    for name in names:
+        vars(learn)[name] = partial(_METHODS[name], learn)
+    return names
+
+
+def _uninstall(learn: Learner, names: tuple[str, ...]) -> None:
+    """Take off what :func:`_install` set (a method set on the instance since, by someone else, stays)."""
+    for name in names:
+        method = vars(learn).get(name)
+        if isinstance(method, partial) and method.func is _METHODS[name]:
+            del vars(learn)[name]

@@ -3,8 +3,9 @@
 Every function here is a collective (all ranks call it, as in any fastai DDP script): global rank 0 writes atomically,
 a failed write or read raises :class:`ranksafe.RankFailure` on every rank, and every load waits for the writer. In a
 single process they write what fastai's own write. Loads are ``weights_only`` unless ``trusted=True``; the readers of
-pickles (:func:`load_learner`, :func:`load_data`) refuse to run without it. The methods (:data:`METHODS`) take the
-Learner first: they are the mixin's methods, and, through :func:`install`, one Learner instance's own.
+pickles (:func:`load_learner`, :func:`load_data`) refuse to run without it. The methods (:func:`save`, :func:`load`,
+:func:`export`, :func:`get_preds`) take the Learner first: they are ``RankSafeLearner``'s, and RankSafe makes them
+one Learner instance's own.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 import pickle
 import sys
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -277,45 +278,8 @@ def _to_detach_sharded_only(learn: Learner, b: Any, cpu: bool = True, gather: bo
     return type(learn).to_detach(learn, b, cpu, gather and hasattr(getattr(learn, "dl", None), "to_detach"))
 
 
-METHODS: dict[str, Callable[..., Any]] = {
-    "save": save,
-    "load": load,
-    "export": export,
-    "get_preds": get_preds,
-    "save_encoder": save_encoder,
-    "load_encoder": load_encoder,
-    "load_pretrained": load_pretrained,
-}
-"""The rank-safe versions of the Learner's writers and readers, by method name."""
-
-
 def stock_method(learn: Learner, name: str, ours: Callable[..., Any]) -> Callable[..., Any]:
     """The method ``name`` that ``ours`` stands in for: the next class's after the mixin, else the class's own."""
     mro = type(learn).__mro__
     owner = next((k for k in mro if vars(k).get(name) is ours), None)
     return getattr(super(owner, learn), name) if owner is not None else partial(getattr(type(learn), name), learn)
-
-
-def install(learn: Learner, methods: Mapping[str, Callable[..., Any]], added: tuple[str, ...] = ()) -> tuple[str, ...]:
-    """Give ``learn`` (that instance only) those ``methods`` its class has (not from the mixin already), and the
-    ``added`` ones; returns their names. Each is a ``functools.partial`` of a module-level function: it pickles by
-    reference, where pickle would bring a bound method back as the class's own (it looks it up by name)."""
-    kind = type(learn)
-    names = tuple(
-        name
-        for name, method in methods.items()
-        if name not in vars(learn)
-        and getattr(kind, name, None) is not method
-        and (name in added or hasattr(kind, name))
-    )
-    for name in names:
-        vars(learn)[name] = partial(methods[name], learn)
-    return names
-
-
-def uninstall(learn: Learner, names: tuple[str, ...], methods: Mapping[str, Callable[..., Any]]) -> None:
-    """Take off what :func:`install` set (a method set on the instance since, by someone else, stays)."""
-    for name in names:
-        method = vars(learn).get(name)
-        if isinstance(method, partial) and method.func is methods[name]:
-            del vars(learn)[name]
