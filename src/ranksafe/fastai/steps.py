@@ -21,7 +21,7 @@ from fastai.learner import Learner, SkipToEpoch
 from fastcore.foundation import L
 
 from .. import remote, topology
-from ..checkpoint import CheckpointManager
+from ..checkpoint import STATE, CheckpointManager
 from ..checkpoint_file import load_file
 from ..collectives import together
 from .mid_epoch import Resumption, restore_epoch_start, skip_done_batches
@@ -29,7 +29,6 @@ from .training_state import (
     BATCHES,
     EPOCH_START,
     FIT,
-    STATE,
     STEP_BASE,
     STEPS,
     TRAIN_ITER,

@@ -23,7 +23,6 @@ from fastcore.foundation import L
 
 from ..rng import random_state, rng_state, set_rng_state
 
-STATE = "state.pt"
 # keys of state.pt: the ordinal of the fit that wrote it, the step number of that fit's epoch 0, the optimizer steps
 # of the run (what the save schedule counts), fastai's count of the fit's training batches
 FIT, STEP_BASE, STEPS, TRAIN_ITER = "fit", "step_base", "steps", "train_iter"
