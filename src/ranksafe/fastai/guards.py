@@ -30,7 +30,7 @@ from fastai.callback.tracker import EarlyStoppingCallback, ReduceLROnPlateau, Te
 from fastai.learner import CancelFitException, Learner
 
 from .. import remote, topology
-from ..collectives import broadcast, together
+from ..collectives import together
 
 
 def _nan_after_batch(cb: TerminateOnNaNCallback) -> None:
@@ -46,14 +46,13 @@ def _nan_after_batch(cb: TerminateOnNaNCallback) -> None:
 def _lr_finder_before_fit(cb: LRFinder) -> None:
     ParamScheduler.before_fit(cb)
     models = remote.joinpath(cb.path, cb.model_dir)
-    name = None
-    with together("lr_find: temporary directory"):
+    with together("lr_find: temporary directory", reduce=lambda names: names[0]) as made:  # rank 0's, everywhere
         if topology.is_main() and remote.is_url(models):  # no directory to make: a name nobody else uses
-            name = f"_lr_find_{secrets.token_hex(4)}"
+            made.value = f"_lr_find_{secrets.token_hex(4)}"
         elif topology.is_main():
             models.mkdir(parents=True, exist_ok=True)
-            name = Path(tempfile.mkdtemp(dir=models)).name
-    cb.tmp_p = broadcast(name, name="lr_find: temporary directory")
+            made.value = Path(tempfile.mkdtemp(dir=models)).name
+    cb.tmp_p = made.result
     cb.learn.save(f"{cb.tmp_p}/_tmp")
     cb.best_loss = float("inf")
 
