@@ -23,7 +23,7 @@ from fastai.data.load import DataLoader
 from fastai.distributed import DistributedDL
 from fastai.learner import Learner
 
-from .training_state import BATCHES, EPOCH_START, PCT_TRAIN, TRAIN_ITER, set_generators
+from .training_state import set_generators
 
 
 @dataclass(frozen=True)
@@ -36,18 +36,6 @@ class Resumption:
     train_iter: int
     epoch_start: dict[str, Any] | None  # this rank's generators when the epoch's training started (None: unknown)
     generators: dict[str, Any] | None  # ... and at the checkpoint
-
-    @classmethod
-    def of(cls, state: dict[str, Any], rank_file: dict[str, Any] | None) -> Resumption:
-        """From a checkpoint's ``state.pt`` and this rank's file (None where the world grew since)."""
-        return cls(
-            state["epoch"],
-            state[BATCHES],
-            state[PCT_TRAIN],
-            state[TRAIN_ITER],
-            None if rank_file is None else rank_file[EPOCH_START],
-            rank_file,
-        )
 
 
 def skip_done_batches(learn: Learner, at: Resumption) -> None:

@@ -29,6 +29,7 @@ from .training_state import (
     BATCHES,
     EPOCH_START,
     FIT,
+    PCT_TRAIN,
     STEP_BASE,
     STEPS,
     TRAIN_ITER,
@@ -126,7 +127,10 @@ class FitSteps:
                 warnings.warn(f"{rng} does not exist: random generators not restored", RuntimeWarning, stacklevel=2)
         self.optimizer_steps, fit.history = state.get(STEPS, 0), state["recorder"]
         if BATCHES in state:  # taken inside epoch `epoch`: it goes on from its next batch (before_train)
-            fit.resumption = Resumption.of(state, mine)
+            epoch_start = None if mine is None else mine[EPOCH_START]
+            fit.resumption = Resumption(
+                state["epoch"], state[BATCHES], state[PCT_TRAIN], state[TRAIN_ITER], epoch_start, generators=mine
+            )
             fit.base = state[STEP_BASE] + 1  # as after that save, in the run that made it
             skip_to(learn, fit, state["epoch"])
             return False
