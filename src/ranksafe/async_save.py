@@ -183,8 +183,8 @@ class AsyncSaver:
         not a writer or the ``"skip"`` policy dropped this checkpoint. The answer is this rank's only:
         never branch into a collective on it. A rank that is not a writer passes the path its writer saves to (or
         none): the next :meth:`check` or :meth:`close` raises ``ValueError`` on every rank when one passed a path
-        that its writer did not, where no file will be. The parent directory is created if needed. ``path`` may be a URL
-        of remote storage (``storage_options=`` for its file system, among the keyword arguments).
+        that its writer did not, where no file will be. The parent directory is created if needed. ``path`` may be a
+        URL of remote storage (``storage_options=`` for its file system, among the keyword arguments).
         """
         storage_options = torch_save_kwargs.pop("storage_options", None)
         # a relative path is resolved now, as torch.save does: the write runs later, maybe after a chdir
