@@ -149,3 +149,4 @@ def test_a_csv_logger_on_remote_storage_is_refused_before_it_makes_a_local_folde
     with local.no_bar(), local.no_logging():
         local.fit(1, 1e-2)  # an absolute local file is fine
     assert (tmp_path / "history.csv").read_text().startswith("epoch,train_loss")
+    assert os.listdir(tmp_path) == ["history.csv"], "fastai made learn.path's parent: a local folder 'memory:'"

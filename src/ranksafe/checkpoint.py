@@ -103,9 +103,9 @@ def _clashes(posted: list[tuple[frozenset[int] | None, dict[str, Any], tuple[str
 class CheckpointManager:
     """Numbered checkpoints under ``root``: atomic step directories, agreed ``latest``, verified load, retention.
 
-    Every method is a collective (all ranks call it, in the same order), except :meth:`wait`,
-    :meth:`shutdown` and :meth:`step_dir`. ``storage``: ``auto`` probes once whether ``root`` is shared or node-local
-    (:mod:`ranksafe.storage`); ``shared`` / ``local`` say so. ``keep``: committed steps to keep (``None``:
+    Every method is a collective (all ranks call it, in the same order), except :meth:`wait`, :meth:`shutdown`,
+    :meth:`step_dir` and :meth:`step_of`. ``storage``: ``auto`` probes once whether ``root`` is shared or
+    node-local (:mod:`ranksafe.storage`); ``shared`` / ``local`` say so. ``keep``: committed steps to keep (``None``:
     all); only writers delete, never the newest committed step or one being loaded, and never before the
     new step is committed.
 

@@ -23,6 +23,7 @@ from functools import partial
 from typing import Any
 
 from fastai.callback.core import Callback
+from fastai.callback.progress import CSVLogger
 from fastai.callback.schedule import LRFinder
 from fastai.callback.tracker import TerminateOnNaNCallback
 from fastai.distributed import DistributedTrainer
@@ -193,8 +194,9 @@ class RankSafe(Callback):
         if _validating(learn):
             return
         several = topology.world_size() >= 2
-        # one process: only lr_find's temporary model needs a hand, where learn.path is a URL (fastai makes local dirs)
-        kinds = (TerminateOnNaNCallback, LRFinder) if several else (LRFinder,) if remote.is_url(learn.path) else ()
+        # where learn.path is a URL, fastai makes local folders named after it for lr_find's model and the CSV log
+        kinds = (TerminateOnNaNCallback,) if several else ()
+        kinds += (LRFinder, CSVLogger) if remote.is_url(learn.path) else (LRFinder,) if several else ()
         self._fit = Fit(guarded=guard(learn.cbs, kinds))
         self._exported_ranks |= prepare_distributed()  # a process group made after this callback and its Learner
         if several:

@@ -1,15 +1,16 @@
 """What RankSafe does to three of fastai's callbacks during a fit on several ranks, so that they act as one job.
 
-* ``CSVLogger``: switched off (``run = False``, which fastai resets after each pass) on every rank but rank 0.
+* ``CSVLogger``: switched off (``run = False``, which fastai resets after each pass) on every rank but rank 0; where
+  ``learn.path`` is a URL, it makes its own file's folder, not a local one named after the URL.
 * ``LRFinder``: one temporary model, named by rank 0, written once, loaded by every rank, removed once (each rank
   made its own directory, and only rank 0 found a model in it).
 * ``TerminateOnNaNCallback``: every rank stops after the same batch (each rank looking at its own loss stopped one
   rank while the others went on into the next gradient all-reduce).
 
-The last two get events of their own on the instance (:func:`guard`), ``functools.partial`` objects that pickle;
-:func:`put_back` takes them off when the fit is over. The trackers (``SaveModelCallback``, ``EarlyStoppingCallback``,
-``ReduceLROnPlateau``...) are kept quiet where a resumed fit goes over what the run that saved it did
-(:func:`quiet_trackers`).
+LRFinder, TerminateOnNaNCallback and (for a URL) CSVLogger get events of their own on the instance (:func:`guard`),
+``functools.partial`` objects that pickle; :func:`put_back` takes them off when the fit is over. The trackers
+(``SaveModelCallback``, ``EarlyStoppingCallback``, ``ReduceLROnPlateau``...) are kept quiet where a resumed fit goes
+over what the run that saved it did (:func:`quiet_trackers`).
 """
 
 from __future__ import annotations
@@ -70,15 +71,26 @@ def _lr_finder_after_fit(cb: LRFinder) -> None:
                 shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _csv_before_fit(cb: CSVLogger) -> None:
+    """fastai's, with the logger's ``path`` its file's own folder: fastai makes ``learn.path``'s parent first, which for
+    a URL is a local folder named after it (``./s3:/bucket``). The file is local (:func:`refuse_remote_csv`)."""
+    vars(cb)["path"] = Path(remote.joinpath(cb.learn.path, cb.fname)).parent  # `path` is the Learner's otherwise
+    try:
+        CSVLogger.before_fit(cb)
+    finally:
+        del vars(cb)["path"]
+
+
 _EVENTS: dict[type, dict[str, Callable[[Callback], None]]] = {
     TerminateOnNaNCallback: {"after_batch": _nan_after_batch},
     LRFinder: {"before_fit": _lr_finder_before_fit, "after_fit": _lr_finder_after_fit},
+    CSVLogger: {"before_fit": _csv_before_fit},
 }
 
 
 def guard(cbs: Iterable[Callback], kinds: tuple[type, ...]) -> list[tuple[Callback, str]]:
-    """Give the callbacks of ``kinds`` (``LRFinder``, ``TerminateOnNaNCallback``) among ``cbs`` their rank-safe
-    events; returns the ``(callback, event)`` pairs set, for :func:`put_back`."""
+    """Give the callbacks of ``kinds`` (``LRFinder``, ``TerminateOnNaNCallback``, ``CSVLogger``) among ``cbs`` their
+    rank-safe events; returns the ``(callback, event)`` pairs set, for :func:`put_back`."""
     guarded = []
     for cb in cbs:
         for kind, events in _EVENTS.items():
