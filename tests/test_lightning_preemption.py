@@ -380,7 +380,7 @@ def test_preempted_twice_and_resumed_the_runs_train_every_step_once_like_an_unin
         assert end["weights"] == whole[r]["weights"]
     for run in (first, second):  # during the fit ranksafe's recorder handles both signals; afterwards, nobody
         for r in run.ranks:
-            assert set(r["during"]["handlers"].values()) == {"ranksafe.preemption.Signals"}, r["during"]
+            assert set(r["during"]["handlers"].values()) == {"ranksafe.preemption._Handler"}, r["during"]
             assert r["after"]["handlers"] == {"SIGTERM": "SIG_DFL", "SIGUSR1": "SIG_DFL"}, r["after"]
             assert r["during"]["pickled"]["RankSafe"] == "ok"
             assert "register_signal_handlers" not in r["after"]["signal connector"]

@@ -69,6 +69,62 @@ def test_a_signal_that_cannot_be_handled_installs_none():
     assert not signals.installed and signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL
 
 
+_DROPPED_MANAGER = """
+import gc, os, signal, sys, time
+import ranksafe
+manager = ranksafe.CheckpointManager(sys.argv[1], preemption=True)
+del manager  # never closed: the README's loop does not close, and a loop that raises skips it
+gc.collect()
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(1)
+print("alive")
+"""
+
+
+def test_a_manager_nobody_closed_stops_handling_signals_once_it_is_gone(tmp_path):
+    """The signal module held the manager's handler, and with it the recorder: SIGTERM was recorded, and ignored, for
+    the rest of the process."""
+    done = subprocess.run([sys.executable, "-c", _DROPPED_MANAGER, str(tmp_path)], capture_output=True, timeout=60)
+    assert done.returncode == -signal.SIGTERM, (done.returncode, done.stdout, done.stderr[-2000:])
+
+
+_SIGNAL_IN_CLOSE = """
+import os, signal, sys, threading, time
+import torch, ranksafe
+
+class SlowToPickle:  # the background commit pickles it: close() waits for it a while
+    def __reduce__(self):
+        time.sleep(1.0)
+        return (SlowToPickle, ())
+
+root, stopped = sys.argv[1], sys.argv[2] == "stopped"
+manager = ranksafe.CheckpointManager(root, preemption=True, async_save=True)
+if stopped:  # SLURM's warning signal came first, and the loop stopped at an agreed step
+    os.kill(os.getpid(), signal.SIGUSR1)
+    time.sleep(0.01)
+    assert manager.reached_preemption(3) or manager.reached_preemption(4)
+manager.save(4, {"w": torch.ones(4), "slow": SlowToPickle()})
+threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()  # the time limit's SIGTERM, during close()
+manager.close()
+print("closed", flush=True)
+"""
+
+
+@pytest.mark.parametrize("stopped", [True, False])
+def test_a_sigterm_while_close_waits_for_the_commit_lets_it_commit(tmp_path, stopped):
+    """close() put the default handlers back before it waited for the background commit: a SIGTERM then ended the
+    process and the step, agreed as the stop, never committed. Now the commit comes first. A signal that no agreed
+    stop answered is raised again after it (the process ends, as SIGTERM asks); after a stop it was answered."""
+    mode = "stopped" if stopped else "running"
+    command = [sys.executable, "-c", _SIGNAL_IN_CLOSE, str(tmp_path), mode]
+    done = subprocess.run(command, capture_output=True, timeout=60)
+    assert [(s.step, s.status.value) for s in ranksafe.list_steps(tmp_path)] == [(4, "committed")], done.stderr[-2000:]
+    if stopped:
+        assert done.returncode == 0 and b"closed" in done.stdout, done.stderr[-2000:]
+    else:
+        assert done.returncode == -signal.SIGTERM and b"closed" not in done.stdout, done.stderr[-2000:]
+
+
 def test_a_step_rule_save_restarts_the_seconds_interval():
     now = [0.0]
     schedule = SaveSchedule(save_interval_steps=10, save_interval_seconds=10, clock=lambda: now[0])

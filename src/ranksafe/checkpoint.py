@@ -26,6 +26,7 @@ import contextlib
 import functools
 import itertools
 import os
+import signal
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -558,13 +559,20 @@ class CheckpointManager:
         """Wait for the commit in flight, then :meth:`check`; collective. Call it at the end of training.
 
         Afterwards no thread of this manager is running, and the preemption signals are handled as they were before
-        it. The manager stays usable; it records preemption signals again once ``manager.schedule.install()`` is
-        called (the fastai and Lightning callbacks call it at the start of each fit). Its exchange is named apart
-        from :meth:`check`'s: a rank that stopped early and closes, while another checks at its next epoch, is a
-        :class:`~ranksafe.CollectiveMismatch` on both instead of a pair that lets the other go on alone.
+        it. Until the commit is in, a signal is still only recorded: one that no agreed stop answered (it came after
+        the last step boundary, or during this call) is then raised again, to the handler it would have met (by
+        default, the process ends). The manager stays usable; it records preemption signals again once
+        ``manager.schedule.install()`` is called (the fastai and Lightning callbacks call it at the start of each
+        fit). Its exchange is named apart from :meth:`check`'s: a rank that stopped early and closes, while another
+        checks at its next epoch, is a :class:`~ranksafe.CollectiveMismatch` on both instead of a pair that lets the
+        other go on alone.
         """
-        self.schedule.uninstall()
-        if self._saver is not None:
-            self._saver.close()
-        else:
-            share_outcome("checkpoint: close", None, self.timeout)
+        try:
+            if self._saver is not None:
+                self._saver.close()
+            else:
+                share_outcome("checkpoint: close", None, self.timeout)
+        finally:
+            self.schedule.uninstall()
+        if (unanswered := self.schedule.unanswered()) is not None:
+            signal.raise_signal(unanswered)

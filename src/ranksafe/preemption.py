@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import weakref
 from collections.abc import Iterable
 from types import FrameType
 from typing import Any
@@ -25,13 +26,15 @@ class Signals:
 
     :meth:`install` puts the handlers in place (main thread only, where Python runs signal handlers), keeping
     the ones they replace: a callable one is still called after the signal is recorded (a user's handler, a
-    framework's); the default action (terminate) and ``SIG_IGN`` are not. :meth:`uninstall` puts them back.
+    framework's); the default action (terminate) and ``SIG_IGN`` are not. :meth:`uninstall` puts them back, and so
+    does dropping the last reference to this object (a manager nobody closed): the handler the signal module holds
+    reaches it through a weak reference (:class:`_Handler`).
     """
 
     def __init__(self, signals: Iterable[int] = DEFAULT_SIGNALS) -> None:
         self.signals = tuple(signal.Signals(s) for s in signals)
         self.received: signal.Signals | None = None
-        self._previous: dict[signal.Signals, Any] = {}
+        self._handler: _Handler | None = None
         self._recording = False
 
     @property
@@ -45,40 +48,72 @@ class Signals:
             return
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("preemption signals can only be handled from the main thread")
-        self._previous = {}
+        self._handler = handler = _Handler(self)
+        self._recording = True
+        weakref.finalize(self, handler.put_back)
         try:
             for s in self.signals:
-                self._previous[s] = signal.signal(s, self._handle)
+                handler.previous[s] = signal.signal(s, handler)
         except BaseException:
-            self._recording = True
             self.uninstall()
             raise
-        self._recording = True
 
     def uninstall(self) -> None:
         """Stop recording, and put back the handlers :meth:`install` replaced where ours is still the one installed;
         idempotent. Where a later handler replaced ours, ours keeps passing signals on to what it replaced (that
         handler may chain to ours, or put ours back when it is uninstalled in turn)."""
-        for s, previous in self._previous.items():
-            if previous is not None and signal.getsignal(s) == self._handle:  # None: installed outside Python
-                signal.signal(s, previous)
+        if self._handler is not None:
+            self._handler.put_back()
         self._recording = False
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        received = signal.Signals(signum)
-        previous = self._previous.get(received)
         if self._recording:
             if self.received is None:
-                self.received = received
-        elif previous is not None and signal.getsignal(received) == self._handle:
-            # uninstalled under a later handler, which has since put ours back: hand over to what ours replaced
-            signal.signal(received, previous)
-            if previous == signal.SIG_DFL:
-                signal.raise_signal(received)  # what would have happened without us: the process ends
-                return
-        if callable(previous):
-            previous(signum, frame)
+                self.received = signal.Signals(signum)
+            previous = self._handler.previous.get(signum) if self._handler is not None else None
+            if callable(previous):
+                previous(signum, frame)
+        elif self._handler is not None:
+            self._handler.hand_over(signum, frame)
 
     def __getstate__(self) -> dict[str, Any]:
         """Handlers belong to a process: a copy (a pickled Trainer, a spawned worker) starts without them."""
-        return {"signals": self.signals, "received": None, "_previous": {}, "_recording": False}
+        return {"signals": self.signals, "received": None, "_handler": None, "_recording": False}
+
+
+class _Handler:
+    """What the signal module holds for one :meth:`Signals.install`: the handlers it replaced, and a weak reference to
+    the :class:`Signals`. Once that one stopped recording, or is gone, a signal goes where it went before."""
+
+    def __init__(self, owner: Signals) -> None:
+        self.owner = weakref.ref(owner)
+        self.previous: dict[int, Any] = {}
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        owner = self.owner()
+        if owner is not None:
+            owner._handle(signum, frame)
+        else:
+            self.hand_over(signum, frame)
+
+    def put_back(self) -> None:
+        """The replaced handlers, where this one is still installed (and on the main thread: a collection elsewhere
+        leaves it to :meth:`hand_over`, at the next signal)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for s, previous in self.previous.items():
+            if previous is not None and signal.getsignal(s) is self:  # None: installed outside Python
+                signal.signal(s, previous)
+
+    def hand_over(self, signum: int, frame: FrameType | None) -> None:
+        """A signal after recording stopped: what would have happened without ranksafe. Only reached where this
+        handler is still installed: uninstalled under a later handler that has since put it back, or collected off
+        the main thread."""
+        previous = self.previous.get(signum)
+        if previous is not None and signal.getsignal(signum) is self:
+            signal.signal(signum, previous)
+            if previous == signal.SIG_DFL:
+                signal.raise_signal(signum)  # the process ends, as it would have
+                return
+        if callable(previous):
+            previous(signum, frame)

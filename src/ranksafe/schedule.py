@@ -73,6 +73,14 @@ class SaveSchedule:
         if self.signals is not None:
             self.signals.uninstall()
 
+    def unanswered(self) -> signal.Signals | None:
+        """The signal this rank recorded that no agreed stop answered (it came after the last step boundary), once:
+        a second call says None."""
+        if self.signals is None or self.preempted or self.signals.received is None:
+            return None
+        received, self.signals.received = self.signals.received, None
+        return received
+
     def reached_preemption(self, step: int) -> bool:
         """True on every rank from the first common step boundary after any rank received a preemption signal;
         one store read per step while none did. Asked again for the same step, the same answer, no read."""
