@@ -534,3 +534,15 @@ def test_a_warmup_on_a_disk_without_room_for_one_checkpoint_fails_on_every_rank(
             assert code == errno.ENOSPC and ranks == [0], (rank, name, message)
             assert f"cannot write checkpoints to {small_disk} (rank 0)" in message, message
             assert "one checkpoint needs 4194304" in message, message
+
+
+def test_a_step_below_the_newest_committed_one_is_refused_instead_of_shadowed_or_deleted(tmp_path):
+    """A root holding an earlier run's step 119: a new run's step 8 committed, latest() still said 119 (a resume took
+    the old run), and with keep=1 retention deleted step 8 at once, as the oldest."""
+    CheckpointManager(tmp_path, keep=1).save(119, _state(119))
+    manager = CheckpointManager(tmp_path, keep=1)
+    with pytest.raises(ValueError, match=f"checkpoint 8: {tmp_path} holds step 119 already"):
+        manager.save(8, _state(8))
+    assert [s.step for s in list_steps(tmp_path)] == [119] and manager.latest() == 119
+    manager.save(119, _state(120))  # the same step again replaces it, as before
+    assert float(manager.load()["w"][0]) == 120.0

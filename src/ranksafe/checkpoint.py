@@ -319,6 +319,12 @@ class CheckpointManager:
             floats = {k: float(v) for k, v in (metrics or {}).items()}  # a bad value on any rank fails every rank
             if where.writer:
                 self._dirs.clean_debris()
+                if (newest := self._dirs.newest()) is not None and step < newest:
+                    raise ValueError(
+                        f"checkpoint {step}: {self.root} holds step {newest} already: latest() and a resume would take "
+                        f"step {newest}, and retention would delete step {step} first. Save a new run under a new "
+                        "root, or remove the newer steps"
+                    )
                 commit.create()
         if apart := outcome.result:
             if where.writer:

@@ -156,6 +156,13 @@ class StepDirs:
             listed = self._parsed()
         return sorted(p.step for p in listed if not p.suffix and self._has_manifest(p.step))
 
+    def newest(self) -> int | None:
+        """The highest step committed under ``base``, reading as few manifests as it can."""
+        for step in sorted({p.step for p in self._parsed() if not p.suffix}, reverse=True):
+            if self._has_manifest(step):
+                return step
+        return None
+
     def clean_debris(self) -> None:
         """Remove what crashed saves and deletions of these steps left, once a committed step among it is put back
         (:meth:`AtomicDir.recover`). On remote storage that is every step without its manifest."""
