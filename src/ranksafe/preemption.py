@@ -96,6 +96,14 @@ class _Handler:
         else:
             self.hand_over(signum, frame)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (a handler chain pickled with a Trainer) passes nothing on, as a copied :class:`Signals` records
+        nothing: handlers belong to a process."""
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.owner, self.previous = (lambda: None), {}
+
     def put_back(self) -> None:
         """The replaced handlers, where this one is still installed (and on the main thread: a collection elsewhere
         leaves it to :meth:`hand_over`, at the next signal)."""
@@ -106,9 +114,9 @@ class _Handler:
                 signal.signal(s, previous)
 
     def hand_over(self, signum: int, frame: FrameType | None) -> None:
-        """A signal after recording stopped: what would have happened without ranksafe. Only reached where this
-        handler is still installed: uninstalled under a later handler that has since put it back, or collected off
-        the main thread."""
+        """A signal after recording stopped: what would have happened without ranksafe. Reached where this handler
+        is still installed (put back by a later handler that was uninstalled, or collected off the main thread), and
+        where a later handler chains to it."""
         previous = self.previous.get(signum)
         if previous is not None and signal.getsignal(signum) is self:
             signal.signal(signum, previous)
