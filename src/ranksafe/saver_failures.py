@@ -16,7 +16,7 @@ from . import topology
 from .collectives import exchange_outcome
 from .errors import BarrierTimeout, CollectiveMismatch, Failure, rank_failure
 from .notice import StepNotice
-from .saving import Writer, paths_apart, writer_group
+from .saving import paths_apart, refuse_paths_apart, writer_group
 
 if TYPE_CHECKING:
     from .async_save import AsyncSaver
@@ -50,13 +50,7 @@ def check_savers(savers: Iterable[AsyncSaver], name: str = "async save", point: 
             owner.restore_error(err)
         raise
     for saver, paths in zip(savers, apart, strict=False):  # shorter where a rank passed fewer savers
-        if paths:
-            raise ValueError(
-                f"{saver.name}: with writer={saver.writer.value!r} one rank writes for the "
-                f"{'job' if saver.writer is Writer.MAIN else 'node'}, but ranks saved to paths their writer did not "
-                f"({'; '.join(paths)}): no file is there. Pass every rank the writer's path, or writer='all' for a "
-                "file per rank"
-            )
+        refuse_paths_apart(saver.writer, paths, saver.name)
 
 
 def _apart_per_saver(posts: list[list[tuple]]) -> list[list[str]]:

@@ -82,12 +82,7 @@ def save(
         if is_writer(writer):  # with "local", the nodes are known from here on
             save_file(obj, path, storage_options=storage_options, **torch_save_kwargs)
         outcome.value = (writer_group(writer), (path,))
-    if apart := outcome.result:
-        raise ValueError(
-            f"save with writer={writer.value!r} writes one file per {'job' if writer is Writer.MAIN else 'node'}, but "
-            f"the ranks passed different paths ({'; '.join(apart)}); pass one path, or writer='all' for a file "
-            "per rank"
-        )
+    refuse_paths_apart(writer, outcome.result, "save")
     return path
 
 
@@ -110,6 +105,19 @@ def paths_apart(posts: list[tuple[Hashable, Collection[str]]]) -> list[str]:
             had = ", ".join(sorted(written)) or "none"
             apart.append(f"rank {rank} has {', '.join(missing)} where rank {writer} has {had}")
     return apart
+
+
+def refuse_paths_apart(writer: Writer, apart: list[str], what: str) -> None:
+    """Raise ``ValueError`` naming ``apart`` (from :func:`paths_apart`) unless it is empty: those ranks were given a
+    path where their writer writes nothing. ``what`` names the call (``save``, a saver's name). One message for
+    :func:`save` and :func:`~ranksafe.saver_failures.check_savers`: the slip and its remedy are the same."""
+    if apart:
+        raise ValueError(
+            f"{what}: with writer={writer.value!r} one rank writes for the "
+            f"{'job' if writer is Writer.MAIN else 'node'}, but ranks saved to paths their writer did not "
+            f"({'; '.join(apart)}): no file is there. Pass every rank the writer's path, or writer='all' for a "
+            "file per rank"
+        )
 
 
 def load(
