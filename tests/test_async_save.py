@@ -751,3 +751,30 @@ def test_close_and_check_do_not_pair_and_a_failed_exchange_keeps_the_failure(tmp
     (outcome0, failed0), (outcome1, _) = res.values
     assert outcome0 == outcome1 == "CollectiveMismatch"  # was: paired, and rank 0 went on into the next step
     assert failed0  # was: taken for the exchange that failed, then lost
+
+
+def _paths_across_a_failed_check(rank, root):
+    saver = AsyncSaver()
+    saver.save({"w": torch.ones(2)}, os.path.join(root, f"preds_{rank}.pt"))  # rank 1's path: no file will be there
+    saver.wait()
+    outcomes = []
+    for call in ("check" if rank == 0 else "close", "check"):  # the first pair mismatches: its exchange fails
+        try:
+            getattr(saver, call)()
+            outcomes.append("passed")
+        except ranksafe.CollectiveMismatch:
+            outcomes.append("CollectiveMismatch")
+        except ValueError as e:
+            outcomes.append(str(e))
+    return outcomes
+
+
+def test_a_failed_check_keeps_the_paths_for_the_next_check(tmp_path):
+    """The paths a saver was given travel in the check's exchange; when that exchange failed they were dropped with
+    it, and the next check passed, though rank 1 still had a path where no file is."""
+    values = run_ranks(_paths_across_a_failed_check, 2, args=(str(tmp_path),), timeout=60).values
+    apart = f"rank 1 has {tmp_path / 'preds_1.pt'} where rank 0 has {tmp_path / 'preds_0.pt'}"
+    for rank, (first, second) in enumerate(values):
+        assert first == "CollectiveMismatch", (rank, first)
+        assert apart in second, (rank, second)  # was: "passed"
+    assert os.listdir(tmp_path) == ["preds_0.pt"]

@@ -359,6 +359,11 @@ class AsyncSaver:
         asked, self._asked = frozenset(self._asked), set()
         return asked
 
+    def restore_asked(self, asked: frozenset[str]) -> None:
+        """Keep ``asked`` (from :meth:`take_asked`) for the next check: the exchange that was to compare them failed.
+        Local."""
+        self._asked |= asked
+
     def restore_error(self, err: BaseException) -> None:
         """Mark ``err`` unreported again (its exchange failed), unless a newer failure took its place."""
         with self._error_lock:

@@ -28,9 +28,10 @@ def check_savers(savers: Iterable[AsyncSaver], name: str = "async save", point: 
     Raises :class:`~ranksafe.RankFailure` on every rank if a background write of any of them failed on any
     rank. One failure per call is reported (the first saver's); another saver's stays pending for the next.
     ``point`` names where in training the check is (``check``, ``close``): ranks at different points mismatch.
-    When the exchange itself fails (a rank missing, ranks elsewhere), the failure taken for it stays pending.
     The same exchange carries the paths each saver was given since the last check: where a rank gave one that its
     writer did not (``save(state, f"model_{rank}.pt")`` with one writer), every rank raises ``ValueError``.
+    When the exchange itself fails (a rank missing, ranks elsewhere), the failure and the paths taken for it stay
+    pending for the next check.
     """
     savers = list(savers)
     err, owner = None, None
@@ -48,6 +49,8 @@ def check_savers(savers: Iterable[AsyncSaver], name: str = "async save", point: 
     except (BarrierTimeout, CollectiveMismatch):
         if owner is not None:
             owner.restore_error(err)
+        for saver, (_, paths) in zip(savers, asked, strict=True):
+            saver.restore_asked(paths)
         raise
     for saver, paths in zip(savers, apart, strict=False):  # shorter where a rank passed fewer savers
         refuse_paths_apart(saver.writer, paths, saver.name)
