@@ -466,6 +466,17 @@ def test_a_crash_between_the_renames_that_replace_a_step_keeps_the_committed_one
     assert sorted(os.listdir(root)) == ["step_00000002", "step_00000003"]
 
 
+def test_a_committed_step_put_back_by_a_save_still_refuses_a_lower_step(tmp_path):
+    """The save lists the root once for its clean-up and its refusal of a step below the newest: the step the
+    clean-up puts back, which that listing named only by its debris, must still count as the newest."""
+    root = tmp_path / "ckpt"
+    done = subprocess.run([sys.executable, "-c", _CRASH_BETWEEN_RENAMES_CHILD, str(root)], timeout=120)
+    assert done.returncode == 9
+    with pytest.raises(ValueError, match=f"checkpoint 1: {root} holds step 2 already"):
+        CheckpointManager(root).save(1, _state(1))
+    assert sorted(os.listdir(root)) == ["step_00000002"]
+
+
 def test_another_managers_steps_under_a_longer_prefix_are_not_its_debris(tmp_path):
     """Before: ``step_`` took ``.step_best_00000005.ranksafe-partial`` (a save in flight) for its own debris."""
     every, best = CheckpointManager(tmp_path, prefix="step_"), CheckpointManager(tmp_path, prefix="step_best_")

@@ -318,8 +318,8 @@ class CheckpointManager:
             refuse_sharded(writer_files, f"checkpoint {step}")  # every rank: the writers write theirs whole
             floats = {k: float(v) for k, v in (metrics or {}).items()}  # a bad value on any rank fails every rank
             if where.writer:
-                self._dirs.clean_debris()
-                if (newest := self._dirs.newest()) is not None and step < newest:
+                left = self._dirs.clean_debris()
+                if (newest := self._dirs.newest(left)) is not None and step < newest:
                     raise ValueError(
                         f"checkpoint {step}: {self.root} holds step {newest} already: latest() and a resume would take "
                         f"step {newest}, and retention would delete step {step} first. Save a new run under a new "

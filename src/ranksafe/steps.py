@@ -12,6 +12,7 @@ import contextlib
 import os
 import re
 import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -118,8 +119,8 @@ class StepName(NamedTuple):
 class StepDirs:
     """The step directories of one prefix under ``base``: ``base/{prefix}{step:08d}``.
 
-    :meth:`place`, :meth:`step_of` and :meth:`parse` make no file-system call; :meth:`committed` and
-    :meth:`clean_debris` do, and run on writers only.
+    :meth:`place`, :meth:`step_of` and :meth:`parse` make no file-system call; :meth:`committed`,
+    :meth:`clean_debris` and :meth:`newest` do, and run on writers only.
     """
 
     def __init__(self, base: Place, prefix: str):
@@ -156,28 +157,33 @@ class StepDirs:
             listed = self._parsed()
         return sorted(p.step for p in listed if not p.suffix and self._has_manifest(p.step))
 
-    def newest(self) -> int | None:
-        """The highest step committed under ``base``, reading as few manifests as it can."""
-        for step in sorted({p.step for p in self._parsed() if not p.suffix}, reverse=True):
-            if self._has_manifest(step):
-                return step
-        return None
+    def newest(self, steps: Iterable[int]) -> int | None:
+        """The highest of ``steps`` committed under ``base``, reading as few manifests as it can. ``steps``: what
+        :meth:`clean_debris` returned, so that a save lists ``base`` once (on remote storage, one request less)."""
+        return next((step for step in sorted(steps, reverse=True) if self._has_manifest(step)), None)
 
-    def clean_debris(self) -> None:
+    def clean_debris(self) -> set[int]:
         """Remove what crashed saves and deletions of these steps left, once a committed step among it is put back
-        (:meth:`AtomicDir.recover`). On remote storage that is every step without its manifest."""
+        (:meth:`AtomicDir.recover`). On remote storage that is every step without its manifest. Returns the steps
+        the listing named, less those removed whole: the places where a committed step may be now."""
         if isinstance(self.base, Remote):
-            for parsed in self._parsed():
-                if not parsed.suffix and not self._has_manifest(parsed.step):
-                    self.place(parsed.step).remove()
-            return
+            steps = {p.step for p in self._parsed() if not p.suffix}
+            uncommitted = {step for step in steps if not self._has_manifest(step)}
+            for step in uncommitted:
+                self.place(step).remove()
+            return steps - uncommitted
+        steps = set()
         for name in names(self.base):
             parsed = self.parse(name)
-            if parsed is not None and parsed.suffix:
+            if parsed is None:
+                continue
+            steps.add(parsed.step)  # debris too: recover() may put the step's committed directory back
+            if parsed.suffix:
                 AtomicDir(self.place(parsed.step)).recover()
                 debris = os.path.join(self.base, name)
                 if os.path.lexists(debris):  # not the copy recover() just put back
                     shutil.rmtree(debris, ignore_errors=True)
+        return steps
 
     def _parsed(self) -> list[StepName]:
         """The names of these steps in ``base`` (one not made yet holds none; a local file in its place raises)."""
