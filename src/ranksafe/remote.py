@@ -23,7 +23,7 @@ import re
 import secrets
 import urllib.parse
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import IO, Any
 
 from . import topology
@@ -109,6 +109,8 @@ class Remote:
     url: str
     fs: Any
     path: str
+    # set by listed_afresh(): exists() and size() answer from the listings made since, not a request each
+    from_listings: bool = field(default=False, compare=False)
 
     @classmethod
     def of(cls, url: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> Remote:
@@ -132,19 +134,33 @@ class Remote:
     def child(self, *names: str) -> Remote:
         """The URL of ``names`` below this one."""
         tail = "/".join(names)
-        return Remote(f"{self.url}/{tail}", self.fs, f"{self.path}/{tail}")
+        return Remote(f"{self.url}/{tail}", self.fs, f"{self.path}/{tail}", self.from_listings)
+
+    def listed_afresh(self) -> Remote:
+        """This URL, for a caller that lists below it, then asks about what it listed (:func:`~ranksafe.list_steps`:
+        a root's steps, then each step's files and manifest). What the file system remembers of this URL, its parents
+        and everything below it is dropped once, here; then :meth:`exists` and :meth:`size`, of it and its children,
+        answer from the listings made from now on, where each would otherwise drop them again and ask the store
+        (a HEAD request on S3, per file of every step). A later listing calls this again."""
+        self._forget()
+        below = self.path + "/"
+        for key in [k for k in self.fs.dircache if k.startswith(below)]:
+            self.fs.dircache.pop(key, None)
+        return replace(self, from_listings=True)
 
     @property
     def name(self) -> str:
         return self.path.rsplit("/", 1)[-1]
 
     def exists(self) -> bool:
-        self._forget()
+        if not self.from_listings:
+            self._forget()
         return self.fs.exists(self.path)
 
     def size(self) -> int:
         """The object's size in bytes (``FileNotFoundError`` if there is none)."""
-        self._forget()
+        if not self.from_listings:
+            self._forget()
         return self.fs.size(self.path)
 
     def _forget(self) -> None:

@@ -65,7 +65,10 @@ def list_steps(
     name a manager with this ``prefix`` would not make (:meth:`StepDirs.parse`). ``root`` may be a URL of remote
     storage; a local file in its place raises ``NotADirectoryError``.
     """
-    dirs = StepDirs(resolve(root, storage_options), prefix)
+    base = resolve(root, storage_options)
+    if isinstance(base, Remote):  # each step's one listing answers for its files, not a request per file
+        base = base.listed_afresh()
+    dirs = StepDirs(base, prefix)
     out = []
     for name in names(dirs.base):
         parsed = dirs.parse(name)
