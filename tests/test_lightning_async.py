@@ -13,6 +13,7 @@ import errno
 import json
 import os
 import pickle
+import signal
 import threading
 import time
 from pathlib import Path
@@ -267,8 +268,23 @@ def _fit_failing(tmp_path: Path, stock: bool) -> tuple[StepProbe, SlowFull, Base
     return probe, disk, caught.value
 
 
-def test_one_process_trainer_against_stock_async_checkpoint_io(tmp_path):
+@pytest.fixture
+def signal_handlers_put_back():
+    """The stock control's failed fit leaves Lightning's SIGTERM handler installed: stock ``AsyncCheckpointIO``
+    raises its write failure again from ``teardown``, which ``Trainer._teardown`` calls before its signal connector
+    puts back the handlers of before the fit. Left there, it reaches the tests that run next in this process (an
+    in-process preemption test found it on SIGTERM). Stock Lightning's, not ranksafe's: put back here."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    yield before
+    for s, handler in before.items():
+        signal.signal(s, handler)
+
+
+def test_one_process_trainer_against_stock_async_checkpoint_io(tmp_path, signal_handlers_put_back):
     probe, disk, _ = _fit_failing(tmp_path / "ours", stock=False)
+    # under RankSafe the plugin's teardown does not raise the failure again (RankSafe raised it at a step's end), so
+    # Lightning's teardown goes on to put back the signal handlers; the stock control's, below, does not
+    assert {s: signal.getsignal(s) for s in signal_handlers_put_back} == signal_handlers_put_back
     assert disk.fault_step >= 9 and probe.raised_at - disk.fault_step <= 1  # within one step
     assert disk.on_disk == [["step=3.ckpt", "step=6.ckpt"]]  # step 3 deleted once step 6 was on disk
     assert os.listdir(tmp_path / "ours") == ["step=6.ckpt"]  # the failed save did not cost the previous one
