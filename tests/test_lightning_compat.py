@@ -12,6 +12,7 @@ import lightning.pytorch as pl
 import pytest
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 
@@ -29,10 +30,13 @@ WRAPPED = [  # (class, method, the parameters RankSafe's replacement takes)
     (ModelCheckpoint, "file_exists", ["self", "filepath", "trainer"]),
     (ModelCheckpoint, "on_train_epoch_end", ["self", "trainer", "pl_module"]),
     (ModelCheckpoint, "on_train_batch_end", ["self", "trainer", "pl_module", "outputs", "batch", "batch_idx"]),
+    (ModelCheckpoint, "on_validation_end", ["self", "trainer", "pl_module"]),
     (EarlyStopping, compat.STOPPING_CRITERIA, ["self", "current"]),
     (EarlyStopping, "on_train_epoch_end", ["self", "trainer", "pl_module"]),
     (EarlyStopping, "on_train_batch_end", ["self", "trainer", "pl_module", "outputs", "batch", "batch_idx"]),
+    (EarlyStopping, "on_validation_end", ["self", "trainer", "pl_module"]),
     (_SignalConnector, "register_signal_handlers", ["self"]),
+    (_TrainingEpochLoop, compat.VALIDATION_DUE, ["self", "data_fetcher"]),
 ]
 
 
@@ -70,6 +74,12 @@ def test_the_trainer_has_the_signal_connector_and_cluster_environment_ranksafe_r
     assert isinstance(compat.signal_connector(trainer), _SignalConnector)
     where = f"Lightning {lightning.__version__}: Trainer.{compat.ACCELERATOR_CONNECTOR}.cluster_environment"
     assert isinstance(compat.cluster_environment(trainer), ClusterEnvironment), f"{where} is gone"
+
+
+def test_the_trainer_has_the_training_epoch_loop_ranksafe_wraps():
+    trainer = pl.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False)
+    where = f"Lightning {lightning.__version__}: Trainer.fit_loop.epoch_loop"
+    assert isinstance(compat.epoch_loop(trainer), _TrainingEpochLoop), f"{where} is gone or of another class"
 
 
 def test_lightnings_slurm_handler_still_requeues_with_the_command_ranksafe_runs_in_its_place():

@@ -25,7 +25,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
 import ranksafe
 from ranksafe.lightning import RankSafe, compat
@@ -70,12 +70,14 @@ def _decay(step: int) -> float:
 
 
 class StepModel(pl.LightningModule):
-    """Records the global step each training step starts from; its learning rate decays once per optimizer step."""
+    """Records the global step each training step starts from, and the one each validation batch runs at; its
+    learning rate decays once per optimizer step."""
 
     def __init__(self) -> None:
         super().__init__()
         self.layer = torch.nn.Linear(4, 1)
         self.trained: list[int] = []
+        self.validated: list[int] = []
 
     def training_step(self, batch, batch_idx):
         self.trained.append(self.global_step)
@@ -83,6 +85,7 @@ class StepModel(pl.LightningModule):
         return torch.nn.functional.mse_loss(self.layer(x), y)
 
     def validation_step(self, batch, batch_idx):
+        self.validated.append(self.global_step)
         x, y = batch
         self.log("val_loss", torch.nn.functional.mse_loss(self.layer(x), y))
 
@@ -110,13 +113,16 @@ class SignalAt(pl.Callback):
 
 
 def _fit(rank_safe: RankSafe, signal_at: int | None = None, sig: signal.Signals = signal.SIGUSR1, **trainer_args):
-    """One fit of 2 epochs with a ModelCheckpoint (RankSafe saves after it); returns the trainer, the model and the
-    steps saved."""
+    """One fit of 2 epochs with an EarlyStopping and a ModelCheckpoint (RankSafe saves after them); returns the trainer,
+    the model and the steps saved."""
     torch.manual_seed(0)
     saved: list[int] = []
     save = rank_safe.manager.save
     rank_safe.manager.save = lambda step, *a, **kw: saved.append(step) or save(step, *a, **kw)
-    callbacks = [SignalAt(signal_at, sig), rank_safe, ModelCheckpoint(monitor="val_loss", save_top_k=1)]
+    # EarlyStopping checks at each epoch's end: after a stop whose epoch was not validated, with no val_loss yet, its
+    # check would raise (strict=True)
+    monitors = [EarlyStopping(monitor="val_loss", patience=3), ModelCheckpoint(monitor="val_loss", save_top_k=1)]
+    callbacks = [SignalAt(signal_at, sig), rank_safe, *monitors]
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, callbacks=callbacks,
@@ -137,6 +143,11 @@ def test_one_process_a_signal_saves_the_next_step_stops_and_the_next_fit_resumes
     stop = signal_at + 1  # the signal lands in step signal_at's end: posted there, acted on at the next one
     assert trainer.global_step == stop and first.manager.preempted and model.trained == list(range(stop))
     assert saved == [stop], "the step, and no epoch-end save of the epoch the stop cut short"
+    # no validation after the commit, unless Lightning's schedule runs one at that step anyway (an epoch's last: the
+    # resumed run starts after it). Before, Lightning validated the epoch the stop cut short (should_stop is set): 4
+    # batches at step 2, in the grace time, and the resumed run validated that epoch again at its end
+    validated_after_signal = sum(s > signal_at for s in model.validated)
+    assert validated_after_signal == (4 if stop % 4 == 0 else 0), model.validated  # 4 batches an epoch
     assert ranksafe.CheckpointManager(tmp_path / "ckpt").latest() == stop
     assert {s: signal.getsignal(s) for s in before} == before  # the handlers of before the fit
     # the next fit (resume is on with preemption) starts from that step and trains the rest once
@@ -146,6 +157,7 @@ def test_one_process_a_signal_saves_the_next_step_stops_and_the_next_fit_resumes
     assert model.trained + resumed.trained == list(range(8)) and saved == [s for s in (4, 8) if s > stop]
     whole, uninterrupted, _ = _fit(RankSafe(checkpoint_dir=tmp_path / "whole"))
     assert trainer.optimizers[0].param_groups[0]["lr"] == whole.optimizers[0].param_groups[0]["lr"]
+    assert model.validated + resumed.validated == uninterrupted.validated == [4] * 4 + [8] * 4, "each epoch once"
     assert torch.equal(resumed.layer.weight, uninterrupted.layer.weight)
     # ModelCheckpoint's files too: before, the validation Lightning runs as the stopped epoch ends saved a file (and
     # removed the one the committed step names as best) after the commit; the resumed run never tracked it
@@ -378,12 +390,17 @@ def test_preempted_twice_and_resumed_the_runs_train_every_step_once_like_an_unin
         assert end["global_step"] == whole[r]["global_step"] == total and not end["preempted"]
         assert end["lr"] == whole[r]["lr"] == pytest.approx(0.1 * 0.97**total)  # a scheduler stepped once per step
         assert end["weights"] == whole[r]["weights"]
+        # each epoch validated once, at its end, as without preemption: before, each stop also validated the epoch
+        # it cut short (Lightning validates when should_stop is set), after the commit, and the relaunch again
+        validated = [step for run in (first, second, third) for step in run.rank(r)["validated"]]
+        assert validated == whole[r]["validated"] == [s for s in (8, 16, 24) for _ in range(2)], validated
     for run in (first, second):  # during the fit ranksafe's recorder handles both signals; afterwards, nobody
         for r in run.ranks:
             assert set(r["during"]["handlers"].values()) == {"ranksafe.preemption._Handler"}, r["during"]
             assert r["after"]["handlers"] == {"SIGTERM": "SIG_DFL", "SIGUSR1": "SIG_DFL"}, r["after"]
             assert r["during"]["pickled"]["RankSafe"] == "ok"
             assert "register_signal_handlers" not in r["after"]["signal connector"]
+            assert compat.VALIDATION_DUE not in r["after"]["epoch loop"]
     # stock Lightning: rank 1's handler broadcasts from inside the signal handler, paired with whatever collective
     # rank 0 is in. What rank 1 then raises depends on that pairing (SIGTERMException when it stops alone, a gloo
     # RuntimeError, or a TypeError when it unpickles rank 0's bytes of another collective); rank 0 loses its peer.

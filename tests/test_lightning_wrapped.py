@@ -1,7 +1,7 @@
 """What RankSafe puts on Lightning's objects: picklable during ``fit`` (``pickle`` and ``torch.save``, as stock
 Lightning's objects are), gone after it, on success and on failure (the attributes of the strategy, the checkpoint
-and signal connectors and the callbacks are those of a stock run, the signal handlers those before the run), and a
-ModelCheckpoint stand-in without ``dirpath``.
+and signal connectors, the training epoch loop and the callbacks are those of a stock run, the signal handlers those
+before the run), and a ModelCheckpoint stand-in without ``dirpath``.
 Multi-rank runs check the same in tests/test_lightning_ddp.py."""
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ def _objects(trainer: pl.Trainer) -> dict[str, object]:
         "strategy": trainer.strategy,
         "connector": compat.checkpoint_connector(trainer),
         "signals": compat.signal_connector(trainer),
+        "epoch_loop": compat.epoch_loop(trainer),
         "ModelCheckpoint": trainer.checkpoint_callback,
         "EarlyStopping": trainer.early_stopping_callback,
         "checkpoint_io": trainer.strategy.checkpoint_io,  # RankSafeCheckpointIO in our runs
@@ -49,7 +50,7 @@ def _unpicklable(objects: dict[str, object]) -> list[str]:
     return failed
 
 
-_WRAPPED_OWNERS = ("strategy", "connector", "signals", "ModelCheckpoint", "EarlyStopping")
+_WRAPPED_OWNERS = ("strategy", "connector", "signals", "epoch_loop", "ModelCheckpoint", "EarlyStopping")
 
 
 def _wrapped(trainer: pl.Trainer) -> list[str]:
@@ -124,7 +125,8 @@ def test_everything_pickles_during_fit_and_after_it_no_ranksafe_attribute_is_lef
         ["connector.resume_start", "strategy.load_checkpoint", "strategy.optimizer_step"]
         + ["ModelCheckpoint._link_checkpoint", "ModelCheckpoint.on_train_batch_end"]
         + ["ModelCheckpoint.on_train_epoch_end", "ModelCheckpoint.on_validation_end"]  # skipped after a stop
-        + ["signals.register_signal_handlers"]
+        + ["EarlyStopping.on_train_epoch_end", "EarlyStopping.on_validation_end"]  # the same
+        + ["signals.register_signal_handlers", f"epoch_loop.{compat.VALIDATION_DUE}"]
         + (["ModelCheckpoint.file_exists"] if async_io else [])
     )  # installed while the probe pickled them
     assert probe.unpicklable == []

@@ -40,7 +40,7 @@ import ranksafe  # noqa: E402
 from ranksafe.files import atomic_write  # noqa: E402
 from ranksafe.lightning import RankSafe, compat  # noqa: E402
 
-BATCH, STEPS_PER_EPOCH, WORLD = 4, 8, 2
+BATCH, STEPS_PER_EPOCH, VAL_STEPS, WORLD = 4, 8, 2, 2
 CKPT_DIR = os.path.join(args.out, "ckpt")
 
 
@@ -59,12 +59,16 @@ class Model(pl.LightningModule):
         super().__init__()
         self.layer = torch.nn.Linear(4, 1)
         self.trained: list = []  # (epoch, batch index, global step before the step, the samples' ids)
+        self.validated: list[int] = []  # the global step each validation batch runs at
 
     def training_step(self, batch, batch_idx):
         ids, x, y = batch
         self.trained.append((self.current_epoch, batch_idx, self.global_step, ids.tolist()))
         time.sleep(args.step_time)  # a step takes time: a signal from outside lands mid-run
         return torch.nn.functional.mse_loss(self.layer(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        self.validated.append(self.global_step)
 
     def configure_optimizers(self):
         opt = torch.optim.SGD(self.parameters(), lr=0.1)
@@ -78,6 +82,10 @@ class Model(pl.LightningModule):
             torch.arange(n), torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g)
         )
         return ResumableLoader(data, batch_size=BATCH)  # Lightning adds a DistributedSampler: each rank its half
+
+    def val_dataloader(self):
+        n = BATCH * VAL_STEPS * WORLD
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(n, 4)), batch_size=BATCH)
 
 
 def skewed_clock() -> float:
@@ -161,7 +169,7 @@ def main() -> None:
     trainer = pl.Trainer(
         accelerator="cpu", devices=WORLD, strategy=strategy, max_epochs=args.epochs,
         callbacks=[probe] + ([rank_safe] if rank_safe else []), logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, default_root_dir=args.out,
+        enable_model_summary=False, enable_checkpointing=False, default_root_dir=args.out, num_sanity_val_steps=0,
     )  # fmt: skip
     model = Model()
     result: dict = {"error_type": None, "error": None}
@@ -174,10 +182,14 @@ def main() -> None:
         rank = trainer.global_rank
         result.update(
             rank=rank, t_end=time.time(), global_step=trainer.global_step, trained=model.trained, saved=saved,
+            validated=model.validated,
             lr=trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None,
             weights=torch.cat([p.detach().flatten() for p in model.parameters()]).tolist(),
             preempted=bool(rank_safe and rank_safe.manager.preempted), naive=probe.naive, during=probe.during,
-            after={"handlers": handler_names(), "signal connector": sorted(vars(compat.signal_connector(trainer)))},
+            after={
+                "handlers": handler_names(), "signal connector": sorted(vars(compat.signal_connector(trainer))),
+                "epoch loop": sorted(vars(trainer.fit_loop.epoch_loop)),
+            },
             committed=[s.step for s in ranksafe.list_steps(CKPT_DIR) if s.status == "committed"]
             if os.path.isdir(CKPT_DIR)
             else [],

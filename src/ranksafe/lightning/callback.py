@@ -130,7 +130,8 @@ class RankSafe(Callback):
             may differ: every rank saves at the end of the step after the one where rank 0 found the time over).
         preemption: during ``fit``, handle SIGTERM and SIGUSR1 (or the signals given) instead of Lightning: a signal
             to any rank makes every rank save at the same optimizer step, then stop (``trainer.should_stop``), so
-            that ``fit`` returns and the process ends normally. Under SLURM's requeue signal
+            that ``fit`` returns and the process ends normally, without validating the epoch the stop cut short (the
+            resumed run validates it). Under SLURM's requeue signal
             (``SLURMEnvironment(auto_requeue=True)``, Lightning's default there), rank 0 then runs
             ``scontrol requeue <job id>`` once the step is committed (:mod:`.preemption`).
 
@@ -230,6 +231,8 @@ class RankSafe(Callback):
         if self.steps is not None and self.steps.handles_signals:
             self.steps.prepare_preemption(trainer)
             wrap(compat.signal_connector(trainer), "register_signal_handlers", self._install_signals)
+            validation_due = functools.partial(self._scheduled_validation, trainer)
+            wrap(compat.epoch_loop(trainer), compat.VALIDATION_DUE, validation_due)
         elif SlurmRequeue.of(trainer) is not None and _shared() and topology.is_main():
             warnings.warn(UNAGREED_REQUEUE, stacklevel=3)
 
@@ -251,13 +254,14 @@ class RankSafe(Callback):
         if self._after_monitors:
             wrap(monitors[-1], "on_train_batch_end", self._then_end_step)
             wrap(monitors[-1], "on_train_epoch_end", self._then_end_epoch)
+        preemption = self.steps is not None and self.steps.handles_signals
         for cb in monitors:
             monitor = getattr(cb, "monitor", None)  # a stand-in (a Mock with a spec) may have none
+            if preemption and isinstance(cb, (ModelCheckpoint, EarlyStopping)):
+                wrap(cb, "on_validation_end", self._unless_stopped)
+                if not (self._after_monitors and cb is monitors[-1]):  # else _then_end_epoch skips it
+                    wrap(cb, "on_train_epoch_end", self._unless_stopped)
             if isinstance(cb, ModelCheckpoint):
-                if self.steps is not None and self.steps.handles_signals:
-                    wrap(cb, "on_validation_end", self._unless_stopped)
-                    if not (self._after_monitors and cb is monitors[-1]):  # else _then_end_epoch skips it
-                        wrap(cb, "on_train_epoch_end", self._unless_stopped)
                 wrap(cb, compat.LINK_CHECKPOINT, self._link)
                 if self._io is not None:
                     wrap(cb, "file_exists", self._file_exists)
@@ -337,7 +341,7 @@ class RankSafe(Callback):
 
     def _undo(self, trainer: pl.Trainer) -> None:
         connectors = (compat.checkpoint_connector(trainer), compat.signal_connector(trainer))
-        for obj in (trainer.strategy, *connectors, *trainer.callbacks):
+        for obj in (trainer.strategy, *connectors, compat.epoch_loop(trainer), *trainer.callbacks):
             unwrap(obj)
         if self.steps is not None:
             self.steps.teardown()
@@ -459,11 +463,28 @@ class RankSafe(Callback):
         self._end_epoch(trainer)
 
     def _unless_stopped(self, original: Callable[..., Any], trainer: pl.Trainer, *args: Any) -> None:
-        """A monitoring callback's epoch-end hook, skipped once a preemption stop is saved. Lightning still validates
-        the epoch the stop cut short; a ModelCheckpoint save or removal then would act after the commit, whose state
-        the next run resumes from: a file it never tracks, or the removal of the best file that state names."""
+        """A monitoring callback's epoch-end or validation-end hook, skipped once a preemption stop is saved: it would
+        act after the commit, whose state the next run resumes from. A ModelCheckpoint save or removal then left a
+        file that run never tracks, or removed the best file that state names. EarlyStopping would read the metric of
+        a validation that no longer runs (:meth:`_scheduled_validation`): with ``strict``, a missing one raises."""
         if not (self.steps is not None and self.steps.stopped):
             original(trainer, *args)
+
+    def _scheduled_validation(self, trainer: pl.Trainer, original: Callable[..., Any], *args: Any) -> bool:
+        """The epoch loop's question after each training batch: validate now? Lightning says yes whenever
+        ``trainer.should_stop`` is set. Once a preemption step is committed, only the validations Lightning's schedule
+        runs at this batch anyway (an epoch's last, ``val_check_interval``) still run: one the stop alone asks for
+        would validate the epoch it cut short after the commit, in the grace time before the kill, and the resumed
+        job validates that epoch at its end. A scheduled one stays: the resumed job starts after it and never runs
+        it. The same answer on every rank (they stopped at the same step)."""
+        if not (self.steps is not None and self.steps.stopped):
+            return original(*args)
+        stop = trainer.should_stop
+        trainer.should_stop = False  # the schedule's answer without the stop request; nothing else runs meanwhile
+        try:
+            return original(*args)
+        finally:
+            trainer.should_stop = stop
 
     def _install_signals(self, original: Callable[..., Any]) -> None:
         """The signal connector's ``register_signal_handlers``, for a fit with preemption: the manager's handlers

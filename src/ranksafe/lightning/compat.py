@@ -53,6 +53,20 @@ decide on a SLURM requeue. The strategy offers it only when it is a parallel one
 alone."""
 
 
+VALIDATION_DUE = "_should_check_val_fx"
+"""``_TrainingEpochLoop._should_check_val_fx(data_fetcher)``, of ``trainer.fit_loop.epoch_loop``: whether validation
+runs after this training batch. It says yes whenever ``trainer.should_stop`` is set (so that early stopping sees the
+epoch's metrics): after a preemption stop, a validation of the epoch cut short, run after the step's commit, in the
+grace time before the kill, and run again by the resumed job. ``RankSafe(preemption=True)`` asks it as if no stop were
+requested. No public API skips that one validation: ``limit_val_batches=0`` would also skip one Lightning's schedule
+runs at that batch (an epoch's last), which the resumed job does not run again."""
+
+
+def epoch_loop(trainer: pl.Trainer) -> Any:
+    """The fit's training epoch loop, whose :data:`VALIDATION_DUE` RankSafe wraps."""
+    return trainer.fit_loop.epoch_loop
+
+
 def signal_connector(trainer: pl.Trainer) -> Any:
     """The Trainer's signal connector (see :data:`SIGNAL_CONNECTOR`)."""
     return getattr(trainer, SIGNAL_CONNECTOR)
