@@ -73,6 +73,11 @@ def _checkpoint_dirs(trainer: pl.Trainer) -> dict[str, bool]:
     return dirs
 
 
+def _monitors(trainer: pl.Trainer) -> list[Callback]:
+    """The Trainer's monitoring callbacks (checkpoints, early stopping), in the order the Trainer runs them."""
+    return [cb for cb in trainer.callbacks if isinstance(cb, (EarlyStopping, Checkpoint))]
+
+
 def _async_io(trainer: pl.Trainer) -> RankSafeCheckpointIO | None:
     """The strategy's RankSafeCheckpointIO if it saves in the background, also inside ``AsyncCheckpointIO``."""
     io = trainer.strategy.checkpoint_io
@@ -226,13 +231,21 @@ class RankSafe(Callback):
             self._take_over_signals(trainer)
 
     def _take_over_signals(self, trainer: pl.Trainer) -> None:
-        """With preemption, the manager's signal handlers replace Lightning's for this fit (:class:`TrainerSteps`).
-        Without, a warning when Lightning's SLURM requeue handler would save with other ranks."""
+        """With preemption, for this fit: the manager's signal handlers replace Lightning's (:class:`TrainerSteps`),
+        and once the stop is committed nothing validates the epoch it cut short, nor acts on a validation
+        (:meth:`_scheduled_validation`, :meth:`_unless_stopped`). Without, a warning when Lightning's SLURM requeue
+        handler would save with other ranks."""
         if self.steps is not None and self.steps.handles_signals:
             self.steps.prepare_preemption(trainer)
             wrap(compat.signal_connector(trainer), "register_signal_handlers", self._install_signals)
             validation_due = functools.partial(self._scheduled_validation, trainer)
             wrap(compat.epoch_loop(trainer), compat.VALIDATION_DUE, validation_due)
+            monitors = _monitors(trainer)
+            for cb in monitors:
+                if isinstance(cb, (ModelCheckpoint, EarlyStopping)):
+                    wrap(cb, "on_validation_end", self._unless_stopped)
+                    if not (self._after_monitors and cb is monitors[-1]):  # else _then_end_epoch skips it
+                        wrap(cb, "on_train_epoch_end", self._unless_stopped)
         elif SlurmRequeue.of(trainer) is not None and _shared() and topology.is_main():
             warnings.warn(UNAGREED_REQUEUE, stacklevel=3)
 
@@ -249,18 +262,13 @@ class RankSafe(Callback):
             wrap(compat.checkpoint_connector(trainer), "resume_start", functools.partial(self._resume_start, trainer))
 
     def _wrap_callbacks(self, trainer: pl.Trainer, shared: bool) -> None:
-        monitors = [cb for cb in trainer.callbacks if isinstance(cb, (EarlyStopping, Checkpoint))]
+        monitors = _monitors(trainer)
         self._after_monitors = self.steps is not None and bool(monitors)
         if self._after_monitors:
             wrap(monitors[-1], "on_train_batch_end", self._then_end_step)
             wrap(monitors[-1], "on_train_epoch_end", self._then_end_epoch)
-        preemption = self.steps is not None and self.steps.handles_signals
         for cb in monitors:
             monitor = getattr(cb, "monitor", None)  # a stand-in (a Mock with a spec) may have none
-            if preemption and isinstance(cb, (ModelCheckpoint, EarlyStopping)):
-                wrap(cb, "on_validation_end", self._unless_stopped)
-                if not (self._after_monitors and cb is monitors[-1]):  # else _then_end_epoch skips it
-                    wrap(cb, "on_train_epoch_end", self._unless_stopped)
             if isinstance(cb, ModelCheckpoint):
                 wrap(cb, compat.LINK_CHECKPOINT, self._link)
                 if self._io is not None:
