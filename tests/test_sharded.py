@@ -13,6 +13,8 @@ import errno
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import warnings
 import zlib
 
@@ -22,7 +24,7 @@ import torch
 import ranksafe
 from ranksafe import cli, commit
 from ranksafe.checkpoint import CheckpointManager
-from ranksafe.sharded import read_shards, write_shards
+from ranksafe.shards import read_shards, write_shards
 from tests.ranks import run_ranks
 from tests.test_storage import as_node
 
@@ -396,3 +398,29 @@ def test_ranks_verifying_a_step_together_check_each_file_once(tmp_path):
         with open(os.path.join(step, name), "r+b") as f:
             f.write(byte)
     assert commit.verify_step(step)["step"] == 1
+
+
+_IMPORTS = """
+import sys, torch, ranksafe, ranksafe.fastai
+heavy = {"torch.distributed.checkpoint", "torch.distributed.tensor"}
+ranksafe.save({"w": torch.ones(2)}, sys.argv[1])
+ranksafe.AsyncSaver().staging.take({"w": torch.ones(2)})
+print("loaded:", sorted(heavy & set(sys.modules)))
+import torch.distributed as dist
+from torch.distributed.tensor import DeviceMesh, DTensor, Shard
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+t = DTensor.from_local(torch.ones(2), DeviceMesh("cpu", [0]), [Shard(0)])
+print("staged:", type(ranksafe.AsyncSaver().staging.take({"t": t})["t"]).__name__)
+print("found:", ranksafe.sharded.for_dcp({"t": t}) is not None)
+"""
+
+
+def test_importing_ranksafe_leaves_dcp_and_dtensor_for_the_jobs_that_use_them(tmp_path):
+    """``torch.distributed.checkpoint`` and ``DTensor`` cost most of a second at import, in every process of a job:
+    ranksafe imports DCP where a step holds sharded state, and finds DTensors without importing their module (none
+    exists before it is imported), also when it is imported after ranksafe."""
+    done = subprocess.run(
+        [sys.executable, "-c", _IMPORTS, str(tmp_path / "m.pt")], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["loaded: []", "staged: DTensor", "found: True"], done.stdout

@@ -29,7 +29,7 @@ import os
 import signal
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import remote, topology
 from .async_save import AsyncSaver
@@ -57,10 +57,13 @@ from .remote import Remote
 from .retention import BestMode, Retention, StepMetrics
 from .saving import paths_apart
 from .schedule import SaveSchedule
-from .sharded import METADATA, StepShards, for_dcp, read_shards, refuse_sharded, require_shared
+from .sharded import METADATA, for_dcp, refuse_sharded, require_shared
 from .step_agreement import committed_everywhere, verdict
 from .steps import StepDirs, StepInfo, check_step, list_steps
 from .storage import Placement, Storage, check_every_rank_sees, placement, probe_root
+
+if TYPE_CHECKING:
+    from .shards import StepShards
 
 __all__ = [
     "MANIFEST",
@@ -259,7 +262,7 @@ class CheckpointManager:
         node keeps the same steps.
 
         ``shards``: state holding ``DTensor`` objects, which every rank writes its part of with
-        ``torch.distributed.checkpoint`` (:mod:`ranksafe.sharded`) once every rank's block is done, before the
+        ``torch.distributed.checkpoint`` (:mod:`ranksafe.shards`) once every rank's block is done, before the
         commit (with ``async_save``: every rank snapshots it at the end of its block, and writes it in the
         background). The root must be shared by every rank.
         """
@@ -388,8 +391,10 @@ class CheckpointManager:
         return name_of(commit.final)
 
     def _shards(self, shards: dict[str, Any], commit: DirCommit, tx: StepWriter, writer: bool) -> StepShards:
-        """The sharded part of step ``tx.step`` (:class:`~ranksafe.sharded.StepShards`); with ``async_save`` the
+        """The sharded part of step ``tx.step`` (:class:`~ranksafe.shards.StepShards`); with ``async_save`` the
         writer commits (:meth:`_commit`) on the saver's thread once every rank's part is written."""
+        from .shards import StepShards  # DCP, imported where a step holds sharded state (see ranksafe.shards)
+
         timeout = self.timeout or default_timeout()
         commit_in_background = functools.partial(self._commit, commit, tx)
         return StepShards(
@@ -481,6 +486,8 @@ class CheckpointManager:
         try:
             s = self._first_good(candidates, sharded=into is not None)
             if into is not None:  # sharded: every rank reads its part in place (a failure is shared by DCP)
+                from .shards import read_shards  # DCP, imported where a step holds sharded state
+
                 result = read_shards(into, name_of(self._dirs.place(s)), f"checkpoint {s}: load", weights_only)
             else:
                 with together(f"checkpoint {s}: load", self.timeout):

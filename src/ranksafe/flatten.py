@@ -9,6 +9,7 @@ Parameter, a DTensor, ``requires_grad``), one object again where the state held 
 from __future__ import annotations
 
 import copy
+import sys
 from collections import UserDict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -16,10 +17,14 @@ from typing import Any
 
 import torch
 
-try:  # DTensor exists wherever torch.distributed is built in; keep the module importable without it
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover
-    DTensor = None  # type: ignore[assignment,misc]
+
+def dtensor_type() -> type | None:
+    """``DTensor``, once something has imported it; else None, and then no state holds one (a DTensor is made only
+    through its module). Not imported here: ``torch.distributed.tensor`` costs most of a second at import, in every
+    process of a job, and most jobs never make a DTensor."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
 
 # Immutable leaves: deepcopy would return them unchanged, at the price of a call each.
 _ATOMS = frozenset({int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size})
@@ -63,7 +68,8 @@ class _AsDTensor:
     stride: tuple[int, ...]
 
     def dress(self, staged: torch.Tensor) -> torch.Tensor:
-        return DTensor.__tensor_unflatten__({**self.inner, self.local: staged}, self.context, self.shape, self.stride)
+        unflatten = dtensor_type().__tensor_unflatten__  # type: ignore[union-attr]  # loaded: a DTensor was met
+        return unflatten({**self.inner, self.local: staged}, self.context, self.shape, self.stride)
 
 
 Clothes = _Grad | _AsDTensor
@@ -86,7 +92,7 @@ def _stageable(t: torch.Tensor) -> tuple[torch.Tensor, Clothes | None] | None:
         local, clothes = t, (_REQUIRES_GRAD if t.requires_grad else None)
     elif kind is torch.nn.Parameter:
         local, clothes = t, _Grad(parameter=True, requires_grad=t.requires_grad)
-    elif DTensor is not None and kind is DTensor:
+    elif kind is dtensor_type():
         local, clothes = _dtensor_parts(t)
         if type(local) not in _PLAIN:
             return None

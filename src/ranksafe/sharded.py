@@ -8,49 +8,35 @@ tensors). :class:`~ranksafe.CheckpointManager` saves it with DCP's own file form
 
 * every rank writes its shards with DCP's ``FileSystemWriter`` into the step's temporary directory, each file
   counted and CRC'd on its way to disk; DCP gathers every rank's write results to its coordinator (rank 0, the
-  step's writer), and with them each rank's files (:class:`StepShardWriter`), so the manifest covers them all;
+  step's writer), and with them each rank's files (:class:`~ranksafe.shards.StepShardWriter`), so the manifest
+  covers them all;
 * no rank enters DCP's collectives before every rank said, in the step's "written" exchange, that it can (its
-  block done, its snapshot taken): :class:`StepShards`, the sharded part of a step's save;
+  block done, its snapshot taken): :class:`~ranksafe.shards.StepShards`, the sharded part of a step's save;
 * a failure on any rank is shared by DCP's own collectives: every rank raises the same
-  :class:`~ranksafe.RankFailure`, naming the rank and its error (:func:`write_shards`, :func:`read_shards`);
+  :class:`~ranksafe.RankFailure`, naming the rank and its error (:func:`~ranksafe.shards.write_shards`,
+  :func:`~ranksafe.shards.read_shards`);
 * loading verifies the step with the work split among the ranks (:func:`verify_shares`), then reads in place with
   ``dcp.load``, which reshards to the current world size and placements.
 
 Every rank reads every shard when it reshards, so the directory must be one that every rank sees
 (:func:`require_shared`). The step is plain DCP plus ``MANIFEST.json``: ``dcp.load`` reads it without ranksafe.
+
+This module finds sharded state and checks where it may go; :mod:`ranksafe.shards` writes and reads it through DCP,
+and is imported only where a step holds some.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import pickle
-import threading
-from collections.abc import Callable, Iterator, Mapping
-from datetime import timedelta
-from typing import IO, TYPE_CHECKING, Any
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.filesystem import FileSystem
-from torch.distributed.checkpoint.stateful import Stateful
-from torch.futures import Future
 
 from . import remote, topology
-from .checkpoint_file import ChecksummingWriter
-from .commit import Entry, Place, verify_step
-from .errors import Failure, RankFailure, UntrustedCheckpoint, rank_failure
+from .commit import Place, verify_step
+from .flatten import dtensor_type
 from .remote import Remote
 from .storage import Placement, StorageKind
-
-if TYPE_CHECKING:  # async_save imports this module
-    from .async_save import AsyncSaver
-
-try:  # DTensor exists wherever torch.distributed is built in; keep the module importable without it
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover
-    DTensor = None  # type: ignore[assignment,misc]
 
 METADATA = ".metadata"  # DCP's own index of a checkpoint, written last by its coordinator
 
@@ -60,13 +46,13 @@ _PLAIN = frozenset({torch.Tensor, torch.nn.Parameter, int, float, bool, str, typ
 # -- what is sharded -----------------------------------------------------------------------------------
 
 
-def _holds_dtensor(obj: Any) -> bool:
-    """Whether nested dicts, lists and tuples hold a ``DTensor``. Called on every save, so a container of plain
+def _holds_dtensor(obj: Any, dtensor: type) -> bool:
+    """Whether nested dicts, lists and tuples hold a ``dtensor``. Called on every save, so a container of plain
     values (a model's state dict) is looked at in one C loop over its values' types."""
     values = obj.values() if isinstance(obj, Mapping) else obj if isinstance(obj, (list, tuple)) else None
     if values is None:
-        return isinstance(obj, DTensor)
-    return not _PLAIN.issuperset(map(type, values)) and any(map(_holds_dtensor, values))
+        return isinstance(obj, dtensor)
+    return not _PLAIN.issuperset(map(type, values)) and any(_holds_dtensor(v, dtensor) for v in values)
 
 
 def _leaves(obj: Any, key: str) -> Iterator[tuple[str, Any]]:
@@ -84,12 +70,13 @@ def _leaves(obj: Any, key: str) -> Iterator[tuple[str, Any]]:
 def sharded_tensors(state: Any) -> dict[str, Any]:
     """The ``DTensor`` objects in ``state`` that are not replicated on every rank of their mesh, by key path, with
     their placements (``{"model.w": (Shard(dim=0),)}``)."""
-    if DTensor is None or not _holds_dtensor(state):
+    dtensor = dtensor_type()
+    if dtensor is None or not _holds_dtensor(state, dtensor):
         return {}
     return {
         key: tuple(t.placements)
         for key, t in _leaves(state, "")
-        if isinstance(t, DTensor) and t.device_mesh.size() > 1 and not all(p.is_replicate() for p in t.placements)
+        if isinstance(t, dtensor) and t.device_mesh.size() > 1 and not all(p.is_replicate() for p in t.placements)
     }
 
 
@@ -112,10 +99,13 @@ def refuse_sharded(state: Any, what: str) -> None:
 def for_dcp(state: Any) -> dict[str, Any] | None:
     """``state`` as DCP saves it when it holds a ``DTensor`` (top-level ``Stateful`` objects, such as an app state
     wrapping a model and its optimizer, replaced by their ``state_dict()``, as ``dcp.save`` does); else None."""
-    if DTensor is None or not isinstance(state, Mapping):
+    dtensor = dtensor_type()
+    if dtensor is None or not isinstance(state, Mapping):
         return None
+    from torch.distributed.checkpoint.stateful import Stateful  # imported with DTensor by now: see dtensor_type
+
     flat = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
-    return flat if _holds_dtensor(flat) else None
+    return flat if _holds_dtensor(flat, dtensor) else None
 
 
 def require_shared(where: Placement, root: str) -> None:
@@ -136,221 +126,6 @@ def require_shared(where: Placement, root: str) -> None:
     )
 
 
-# -- writing ----------------------------------------------------------------------------------------------
-
-
-class _ShardFile(ChecksummingWriter):
-    """A file DCP writes: counted and CRC'd on its way to disk, with the calls DCP makes of its stream."""
-
-    def __init__(self, f: IO[bytes]):
-        super().__init__(f)
-        self.file = f
-
-    def tell(self) -> int:
-        return self.length  # a new file, written from its start: DCP records each item's offset
-
-    def fileno(self) -> int:
-        return self.file.fileno()  # DCP fsyncs it
-
-    def close(self) -> None:
-        self.file.close()
-
-
-class _CountingFileSystem(FileSystem):
-    """DCP's local file system, remembering the size and CRC32 of every file written through it, by name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.written: dict[str, Entry] = {}
-
-    @contextlib.contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
-        with super().create_stream(path, mode) as f:
-            if "w" not in mode:
-                yield f
-                return
-            out = _ShardFile(f)
-            yield out
-        self.written[os.path.basename(path)] = (out.length, out.crc)
-
-    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
-        super().rename(path, new_path)  # the coordinator's .metadata.tmp becomes .metadata
-        entry = self.written.pop(os.path.basename(path), None)
-        if entry is not None:
-            self.written[os.path.basename(new_path)] = entry
-
-
-class _Files:
-    """One rank's files, carried to DCP's coordinator among that rank's write results (and taken out there before
-    DCP records the results in ``.metadata``)."""
-
-    def __init__(self, written: dict[str, Entry]):
-        self.written = written
-
-
-class StepShardWriter(dcp.FileSystemWriter):
-    """DCP's ``FileSystemWriter`` whose :attr:`entries` are the size and CRC32 of the files it knows of: this
-    rank's own, and on DCP's coordinator every rank's, ``.metadata`` included, once the save is done."""
-
-    def __init__(self, directory: str):
-        super().__init__(directory)
-        self.fs = _CountingFileSystem()
-        self.entries: dict[str, Entry] = {}
-
-    def write_data(self, plan: Any, planner: Any) -> Future:
-        results = super().write_data(plan, planner).wait()  # written by now: the future is already complete
-        self.entries.update(self.fs.written)
-        done: Future = Future()
-        done.set_result([*results, _Files(dict(self.fs.written))])
-        return done
-
-    def finish(self, metadata: Any, results: list[list[Any]]) -> None:
-        for ours in results:
-            for files in (r for r in ours if isinstance(r, _Files)):
-                self.entries.update(files.written)
-        super().finish(metadata, [[r for r in ours if not isinstance(r, _Files)] for ours in results])
-        self.entries.update(self.fs.written)  # .metadata
-
-
-@contextlib.contextmanager
-def _failures_shared_by_dcp(what: str) -> Iterator[None]:
-    """DCP's failure, which every rank got from DCP's own collectives, as the same :class:`~ranksafe.RankFailure`
-    on every rank (the failing rank chains its own error); in a single process, the error itself."""
-    try:
-        yield
-    except dcp.CheckpointException as e:
-        own = e.failures.get(topology.rank())
-        if own is not None and topology.world_size() == 1:
-            raise own[0] from None
-        failures = [Failure.from_exception(rank, error) for rank, (error, _) in sorted(e.failures.items())]
-        raise rank_failure(what, failures) from (own[0] if own else None)
-
-
-def _no_dist() -> bool:
-    return not topology.is_distributed()
-
-
-def write_shards(
-    state: dict[str, Any], directory: str, what: str, group: dist.ProcessGroup | None = None
-) -> dict[str, Entry]:
-    """Every rank: write this rank's shards of ``state`` into ``directory`` with ``dcp.save``; return the files this
-    rank knows of (its own; on the coordinator, every rank's). ``group``: the process group for DCP's collectives
-    (the default one when None).
-
-    A failure on any rank raises the same :class:`~ranksafe.RankFailure` on every rank (its own error chained on
-    the failing rank): DCP shares it. A rank that dies is a backend error on the others, after the group's timeout
-    at worst: DCP's collectives are the backend's.
-    """
-    writer = StepShardWriter(directory)
-    with _failures_shared_by_dcp(what):
-        dcp.save(state, storage_writer=writer, process_group=group, no_dist=_no_dist())
-    return writer.entries
-
-
-class _WriteGate:
-    """What a background write of shards waits for: the exchange that tells whether every rank took its snapshot.
-    A rank must not enter DCP's collectives alone: the others would wait there for the group's timeout."""
-
-    def __init__(self) -> None:
-        self._decided = threading.Event()
-        self._go = False
-
-    def settle(self, go: bool) -> None:
-        """The training thread: write (``go``), or give the step up."""
-        self._go = go
-        self._decided.set()
-
-    def wait(self) -> bool:
-        """The writer thread: whether to write."""
-        self._decided.wait()
-        return self._go
-
-
-_background: dict[int, dist.ProcessGroup] = {}
-
-
-def background_group(timeout: float) -> dist.ProcessGroup | None:
-    """A gloo process group for saves on a background thread, made once per default group; collective (every rank,
-    from the training thread). The training thread's own collectives (FSDP's all-gathers) keep the default group,
-    so no two threads pair their collectives on one group. None without a process group."""
-    if _no_dist():
-        return None
-    key = id(dist.group.WORLD)
-    if key not in _background:
-        _background[key] = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
-    return _background[key]
-
-
-class StepShards:
-    """The sharded part of one step's save, where :meth:`CheckpointManager.saving` calls it, on every rank:
-
-    * :meth:`after_block`: with a background saver, this rank snapshots its part now, and its write waits for the
-      exchange that follows (a snapshot that fails is this rank's failure there);
-    * :meth:`agreed`, once that exchange agreed: the part is written now, or its background write goes ahead (then
-      the writer commits: ``commit(writer_files)``);
-    * :meth:`given_up`, when the exchange failed: the background write never starts.
-
-    Made by every rank at an agreed point: with a background saver it may make the background group (a collective).
-    ``entries`` (the step's file entries) gets the files written; ``abort`` removes the step's temporary (writer).
-    """
-
-    def __init__(
-        self,
-        state: dict[str, Any],
-        directory: str,
-        step: int,
-        entries: dict[str, Entry],
-        writer: bool,
-        abort: Callable[[], None],
-        saver: AsyncSaver | None,
-        commit: Callable[[Mapping[str, Any]], Any],
-        timeout: float,
-    ):
-        self.state, self.directory, self.step, self.entries, self.writer = state, directory, step, entries, writer
-        self._abort, self._saver, self._commit = abort, saver, commit
-        self._gate = _WriteGate()
-        self._group = None if saver is None else background_group(timeout)
-        self._what = f"checkpoint {step}: shards"
-
-    def after_block(self, writer_files: Mapping[str, Any]) -> None:
-        snapshot = (self.state, writer_files if self.writer else {})
-        if self._saver is not None and not self._saver.submit(snapshot, self._background):
-            raise self._saver.take_error() or RuntimeError(f"{self._what}: no snapshot")
-
-    def given_up(self) -> None:
-        self._gate.settle(go=False)
-
-    def agreed(self) -> None:
-        if self._saver is not None:
-            self._gate.settle(go=True)
-            return
-        try:  # a failure on any rank is the same RankFailure on every rank (DCP shares it)
-            self.entries.update(write_shards(self.state, self.directory, self._what))
-        except BaseException:
-            if self.writer:
-                self._abort()
-            raise
-
-    def _background(self, snapshot: tuple[dict[str, Any], Mapping[str, Any]]) -> Any:
-        """The writer thread, every rank: write this rank's part once every rank has its snapshot, then the writer
-        commits. A failure of DCP's is reported by the ranks that failed (``check()`` or ``poll()`` raises it on
-        every rank)."""
-        if not self._gate.wait():  # a rank failed before the write: every rank gave the step up
-            return None
-        state, writer_files = snapshot
-        try:
-            self.entries.update(write_shards(state, self.directory, self._what, self._group))
-        except BaseException as e:
-            if self.writer:
-                self._abort()
-            if not isinstance(e, RankFailure):
-                raise
-            if topology.rank() in e.ranks:
-                raise (e.__cause__ or e) from None
-            return None
-        return self._commit(writer_files) if self.writer else None
-
-
 # -- loading ------------------------------------------------------------------------------------------------
 
 
@@ -365,34 +140,3 @@ def verify_shares(step_dir: Place) -> dict[str, Any]:
         where = step_dir.url if isinstance(step_dir, Remote) else step_dir
         raise ValueError(f"{where} holds no sharded state (no {METADATA}): load it without into=")
     return manifest
-
-
-class _WeightsOnlyPlanner(dcp.DefaultLoadPlanner):
-    """DCP's load planner, whose non-tensor values (read with ``torch.load(weights_only=False)`` by DCP) must load
-    with ``weights_only=True`` first: a checkpoint must not run code on load unless the caller trusts it."""
-
-    def __init__(self, directory: str):
-        super().__init__()
-        self.directory = directory
-
-    def load_bytes(self, read_item: Any, value: Any) -> None:
-        try:
-            torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as e:  # torch's page of advice: the line naming the refused object matters
-            lines = str(e).splitlines() or [type(e).__name__]
-            why = next((line.strip() for line in lines if "WeightsUnpickler error" in line), lines[-1])
-            reason = f"{read_item.dest_index.fqn}: {why.split('. Please use')[0]}"
-            raise UntrustedCheckpoint(self.directory, reason) from None
-        value.seek(0)
-        super().load_bytes(read_item, value)
-
-
-def read_shards(into: dict[str, Any], directory: str, what: str, weights_only: bool | None = True) -> dict[str, Any]:
-    """Every rank: load the DCP state in ``directory`` into ``into``, in place (``dcp.load``: resharded to the
-    tensors' current placements, ``Stateful`` values given their state); return ``into``.
-
-    A failure on any rank raises the same :class:`~ranksafe.RankFailure` on every rank, as :func:`write_shards`."""
-    planner = _WeightsOnlyPlanner(directory) if weights_only is not False else None
-    with _failures_shared_by_dcp(what):
-        dcp.load(into, storage_reader=dcp.FileSystemReader(directory), planner=planner, no_dist=_no_dist())
-    return into
