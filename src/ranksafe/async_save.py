@@ -20,10 +20,10 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable
-from enum import Enum
 from typing import Any
 
 from . import remote
+from .after_commit import AfterCommit, WriteState
 from .checkpoint_file import probe_write, save_file
 from .choice import Choice
 from .collectives import together
@@ -48,51 +48,6 @@ class BusyPolicy(Choice):
 OnCommit = Callable[[Any], None]
 
 _live: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()
-
-
-class WriteState(Enum):
-    """This rank's latest background write, as :meth:`AsyncSaver.after_commit` sees it."""
-
-    COMMITTED = "committed"  # or no write yet: an action runs at once
-    IN_FLIGHT = "in flight"  # an action waits for the commit, and is dropped if the write fails
-    FAILED = "failed"  # an action is dropped: what it made way for never arrived
-
-
-class _AfterCommit:
-    """The actions waiting for the write in flight; the training thread adds, the writer thread settles."""
-
-    def __init__(self) -> None:
-        self.state = WriteState.COMMITTED
-        self._actions: list[Callable[[], None]] = []
-        self._lock = threading.Lock()
-
-    def add(self, action: Callable[[], None]) -> WriteState:
-        """Queue ``action`` if a write is in flight; return the state it was added in."""
-        with self._lock:
-            if self.state is WriteState.IN_FLIGHT:
-                self._actions.append(action)
-            return self.state
-
-    def start(self) -> None:
-        """A write was handed to the writer thread."""
-        with self._lock:
-            self.state, self._actions = WriteState.IN_FLIGHT, []
-
-    def next_or_settle(self) -> Callable[[], None] | None:
-        """After the commit: the next waiting action, in the order they came, or None once none is left, and
-        then the write counts as committed. Until then a new action queues behind the others: run at once on
-        the training thread, it would race the writer thread's (two links of ``last.ckpt``)."""
-        with self._lock:
-            if self._actions:
-                return self._actions.pop(0)
-            self.state = WriteState.COMMITTED
-            return None
-
-    def settle(self, committed: bool) -> None:
-        """Record the write's outcome, dropping the actions still waiting (it failed, or an action did)."""
-        with self._lock:
-            self.state = WriteState.COMMITTED if committed else WriteState.FAILED
-            self._actions = []
 
 
 class AsyncSaver:
@@ -158,7 +113,7 @@ class AsyncSaver:
         self._submitter: int | None = None  # the thread inside submit(): a signal handler there must not wait
         self._handing = False  # between _idle.clear() and the job reaching the writer thread
         self._error_lock = threading.Lock()  # the writer thread records, check() takes: never lose one
-        self._after_commit = _AfterCommit()  # a forked child has no write in flight
+        self._after_commit = AfterCommit()  # a forked child has no write in flight
 
     # -- local ---------------------------------------------------------------------------------------
     @property
