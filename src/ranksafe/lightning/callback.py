@@ -7,7 +7,6 @@ process nothing is shared: only what the plugin, the manager and ``save_last="li
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import warnings
@@ -22,35 +21,20 @@ from lightning.pytorch.trainer.states import TrainerFn
 from .. import remote, topology
 from ..checkpoint import CheckpointManager
 from ..checkpoint_file import probe_write
-from ..collectives import abort, agree, broadcast, checked_timeout, default_timeout, together
+from ..collectives import abort, checked_timeout
 from ..errors import naming_target
-from ..files import atomic_link, clean_orphans
+from ..files import clean_orphans
 from ..lock import StateDictLock
 from ..options import needs_checkpoint_dir, positive_int
 from ..saver_failures import poll_savers
-from ..saving import prepare_dir
 from ..storage import Storage
 from . import compat
 from .io import RankSafeCheckpointIO
 from .monitor import MonitorAgreement, MonitorOp
 from .preemption import UNAGREED_REQUEUE, SlurmRequeue
+from .shared_io import SharedCheckpointIO, checkpoint_dirs, shared_outcome, with_other_ranks
 from .steps import TrainerSteps
 from .wrapped import unwrap, wrap
-
-EXCEPTION_SAVE_WAIT = 30.0
-"""At most this many seconds a save made while Lightning handles an exception (ModelCheckpoint's
-``save_on_exception``) waits for the other ranks. Ranks that failed alike (a signal, one bad batch) arrive; a rank that
-failed alone would otherwise wait for ranks held in a DDP collective that only its own exit ends."""
-
-
-def _shared() -> bool:
-    """True when other ranks exist to share outcomes with (never in a ``ddp_spawn`` parent, for instance)."""
-    return topology.is_distributed() and topology.world_size() > 1
-
-
-def _shared_outcome(name: str, timeout: float | None) -> contextlib.AbstractContextManager:
-    """A block whose failure on one rank is raised on every rank; a plain block without other ranks."""
-    return together(name, timeout) if _shared() else contextlib.nullcontext()
 
 
 def _seconds(interval: timedelta | float | None) -> float | None:
@@ -59,18 +43,6 @@ def _seconds(interval: timedelta | float | None) -> float | None:
     if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0):
         raise ValueError(f"train_time_interval must be a positive timedelta or number of seconds, not {interval!r}")
     return seconds
-
-
-def _checkpoint_dirs(trainer: pl.Trainer) -> dict[str, bool]:
-    """The directories of the Trainer's ModelCheckpoints (resolved in their ``setup``), each with whether its callback
-    names files there already (an earlier ``fit`` of this Trainer saved them: its best, top-k and last paths)."""
-    dirs: dict[str, bool] = {}
-    for cb in trainer.checkpoint_callbacks:
-        dirpath = getattr(cb, "dirpath", None)  # a stand-in (a Mock with a spec) may have none
-        if isinstance(cb, ModelCheckpoint) and dirpath:
-            named = bool(cb.best_model_path or cb.last_model_path or cb.best_k_models)
-            dirs[os.fspath(dirpath)] = dirs.get(os.fspath(dirpath), False) or named
-    return dirs
 
 
 def _monitors(trainer: pl.Trainer) -> list[Callback]:
@@ -88,7 +60,7 @@ def _async_io(trainer: pl.Trainer) -> RankSafeCheckpointIO | None:
     return None
 
 
-class RankSafe(Callback):
+class RankSafe(SharedCheckpointIO, Callback):
     """Make Lightning checkpointing safe under DDP: ``Trainer(callbacks=[RankSafe(), ModelCheckpoint(...)])``.
 
     During ``fit``, ``validate``, ``test`` and ``predict`` (from ``setup`` to ``teardown``):
@@ -100,8 +72,9 @@ class RankSafe(Callback):
     * ModelCheckpoint and EarlyStopping read their monitored metric through :class:`MonitorAgreement`: one
       decision and one file name on every rank, even without ``sync_dist=True``;
     * an exception on one rank is posted with :func:`ranksafe.abort`, so the others raise within seconds at their
-      next ranksafe collective; a ModelCheckpoint ``save_on_exception`` waits at most :data:`EXCEPTION_SAVE_WAIT`
-      for ranks that did not fail (stock Lightning waits for the process group's timeout there);
+      next ranksafe collective; a ModelCheckpoint ``save_on_exception`` waits at most
+      :data:`.shared_io.EXCEPTION_SAVE_WAIT` for ranks that did not fail (stock Lightning waits for the process
+      group's timeout there);
     * with ``RankSafeCheckpointIO(async_save=True)``: the optimizer step holds the write side of the plugin's
       lock, a background failure is raised on every rank at the end of the step, loads wait for the write.
 
@@ -225,8 +198,8 @@ class RankSafe(Callback):
         self._io = _async_io(trainer)
         if self._io is not None:
             self._io._attach()
-        self._wrap_strategy(trainer, _shared())
-        self._wrap_callbacks(trainer, _shared())
+        self._wrap_strategy(trainer, with_other_ranks())
+        self._wrap_callbacks(trainer, with_other_ranks())
         if trainer.state.fn == TrainerFn.FITTING:
             self._take_over_signals(trainer)
 
@@ -246,7 +219,7 @@ class RankSafe(Callback):
                     wrap(cb, "on_validation_end", self._unless_stopped)
                     if not (self._after_monitors and cb is monitors[-1]):  # else _then_end_epoch skips it
                         wrap(cb, "on_train_epoch_end", self._unless_stopped)
-        elif SlurmRequeue.of(trainer) is not None and _shared() and topology.is_main():
+        elif SlurmRequeue.of(trainer) is not None and with_other_ranks() and topology.is_main():
             warnings.warn(UNAGREED_REQUEUE, stacklevel=3)
 
     def _wrap_strategy(self, trainer: pl.Trainer, shared: bool) -> None:
@@ -281,8 +254,8 @@ class RankSafe(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Write a probe into every ModelCheckpoint directory (resolved in their ``setup``): a directory, bucket or
         credentials that cannot be written fail every rank now instead of after the first epoch."""
-        dirpaths = list(_checkpoint_dirs(trainer))
-        with _shared_outcome("checkpoint directories: warmup", self.timeout):
+        dirpaths = list(checkpoint_dirs(trainer))
+        with shared_outcome("checkpoint directories: warmup", self.timeout):
             if topology.is_main():
                 for dirpath in dirpaths:
                     with naming_target("cannot write checkpoints to", dirpath):
@@ -336,8 +309,8 @@ class RankSafe(Callback):
     def _then_undo(self, original: Callable[..., Any], trainer: pl.Trainer, *args: Any) -> None:
         """The last callback's ``on_exception``, then :meth:`_undo`. A save in it (ModelCheckpoint's
         ``save_on_exception``) goes through the wrapped strategy: if other ranks never join it (they did not fail),
-        it gives up (:data:`EXCEPTION_SAVE_WAIT`), naming them, where Lightning's barrier after the save would wait
-        until the process group's timeout."""
+        it gives up (:data:`.shared_io.EXCEPTION_SAVE_WAIT`), naming them, where Lightning's barrier after the save
+        would wait until the process group's timeout."""
         try:
             original(trainer, *args)
         finally:
@@ -375,90 +348,7 @@ class RankSafe(Callback):
         if self.steps is not None:
             self.steps.end_epoch(trainer)
 
-    # -- what the wrapped methods run (``original`` is the method they replace) ------------------------
-    def _together(self, name: str, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """The strategy's save or remove with its outcome shared by every rank (waiting less while an exception is
-        handled: :data:`EXCEPTION_SAVE_WAIT`)."""
-        timeout = min(self.timeout or default_timeout(), EXCEPTION_SAVE_WAIT) if self._failed else self.timeout
-        with together(name, timeout):
-            return original(*args, **kwargs)
-
-    def _load(
-        self, trainer: pl.Trainer, original: Callable[..., Any], checkpoint_path: Any, weights_only: bool | None = None
-    ) -> Any:
-        """The strategy's load: a step of the manager is verified against its manifest on every node, a file is
-        loaded with the outcome shared; a background write in flight is waited for on every rank first."""
-        if _shared() and self._io is not None:
-            self._io.wait()
-            self._io.check()
-        step = None if self.manager is None or checkpoint_path is None else self.manager.step_of(checkpoint_path)
-        if step is not None:
-            return self.steps.load(trainer, step, checkpoint_path, weights_only)  # type: ignore[union-attr]
-        with _shared_outcome("Trainer.load_checkpoint", self.timeout):
-            return original(checkpoint_path, weights_only=weights_only)
-
-    def _resume_start(
-        self, trainer: pl.Trainer, original: Callable[..., Any], checkpoint_path: Any = None, weights_only: Any = None
-    ) -> Any:
-        """The connector's ``resume_start``: every rank takes rank 0's path; ``resume=True`` fills in the latest
-        step when ``fit`` has none."""
-        if _shared():
-            chosen = broadcast(checkpoint_path, name="Trainer ckpt_path", timeout=self.timeout)
-            if str(chosen) != str(checkpoint_path):
-                warnings.warn(
-                    f"rank {topology.rank()} resolved the checkpoint to {checkpoint_path}, rank 0 to {chosen}; "
-                    "every rank loads rank 0's choice",
-                    stacklevel=2,
-                )
-            checkpoint_path = chosen
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        if checkpoint_path is None and self.resume and fitting:
-            checkpoint_path = self.latest_checkpoint()
-        if self.overwrite and fitting:  # the path is agreed by now (and before any save, whatever the strategy)
-            self._overwrite(trainer, resuming=checkpoint_path is not None)
-        return original(checkpoint_path, weights_only=weights_only)
-
-    def _overwrite(self, trainer: pl.Trainer, resuming: bool) -> None:
-        """``overwrite=True``: empty every ModelCheckpoint directory, unless the fit resumes or an earlier ``fit`` of
-        this Trainer saved there: the restored, or kept, state names files there, as ``best_model_path`` does."""
-        for dirpath, named in _checkpoint_dirs(trainer).items():
-            if _shared():  # prepare_dir is collective: every rank keeps or empties alike
-                named = agree(named, "any", name=f"checkpoints named in {dirpath}", timeout=self.timeout)
-            if not (resuming or named):
-                prepare_dir(dirpath, overwrite=True)
-            elif topology.is_main():
-                why = "the run resumes" if resuming else "an earlier fit of this Trainer saved there"
-                warnings.warn(f"RankSafe(overwrite=True) keeps {dirpath}: {why}", stacklevel=3)
-
-    def _locks(self) -> list[StateDictLock]:
-        """The locks whose snapshots run in the background: the plugin's and the manager's, with ``async_save``."""
-        locks = [self._io.lock] if self._io is not None else []
-        return locks + ([self.lock] if self.steps is not None and self.steps.saver is not None else [])
-
-    def _holding_locks(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """The optimizer step, holding the write side of the snapshot locks: no snapshot sees weights mid-update."""
-        with contextlib.ExitStack() as held:
-            for lock in self._locks():
-                held.enter_context(lock.write())
-            return original(*args, **kwargs)
-
-    def _link(self, original: Callable[..., Any], trainer: pl.Trainer, filepath: str, linkpath: str) -> None:
-        """ModelCheckpoint's ``save_last="link"``: the link replaces the old one atomically, waits for a background
-        write's commit (and is not made if it fails: the old link stays), and rank 0's outcome reaches every rank
-        instead of the stock barrier, which left the others waiting when the link failed."""
-        with _shared_outcome("ModelCheckpoint link", self.timeout):
-            if trainer.is_global_zero and remote.canonical(filepath) != remote.canonical(linkpath):
-                if self._io is not None:
-                    self._io.link_checkpoint(filepath, linkpath)
-                else:
-                    atomic_link(filepath, linkpath)
-
-    def _file_exists(self, original: Callable[..., Any], filepath: Any, trainer: pl.Trainer) -> bool:
-        """``ModelCheckpoint.file_exists`` that counts a file still being written in the background as existing:
-        else the next save takes the same name (no ``-v1``) and overwrites it. Rank 0 decides, as in Lightning."""
-        mine = trainer.is_global_zero and (self._io.writing(filepath) or remote.exists(filepath))  # type: ignore[union-attr]
-        return trainer.strategy.reduce_boolean_decision(bool(mine), all=False)
-
+    # -- what the hooks of the last monitoring callback run, and the fit with preemption --------------------
     def _then_end_step(self, original: Callable[..., Any], trainer: pl.Trainer, *args: Any) -> None:
         """The last monitoring callback's ``on_train_batch_end``, then the end of this optimizer step."""
         original(trainer, *args)
