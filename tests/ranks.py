@@ -8,10 +8,12 @@ killed cannot wedge a queue.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -79,12 +81,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Ranks fork from one server process that imported torch once (Python 3.14's default start method on Linux),
+# instead of each rank starting an interpreter and importing torch again, as spawn does: on a 2-core machine
+# that import was most of a short multi-rank test. A rank is still a process of its own with its own gloo group.
+# The server imports nothing of ranksafe, Lightning or fastai: each rank imports those itself.
+_START = mp.get_context("forkserver")
+_START.set_forkserver_preload(["torch", "torch.distributed"])
+
+
 def _child(
-    fn: Callable, rank: int, world: int, port: int, outdir: str, args: tuple, env: dict, init: bool, launch_env: bool
+    call: bytes, rank: int, world: int, port: int, outdir: str, environ: dict, init: bool, launch_env: bool
 ) -> None:
-    for var in LAUNCH_VARS:  # like mp.spawn: no launcher variables unless the test asks for them
-        os.environ.pop(var, None)
-    os.environ.update(env)
+    # The server's environment and output are those it started with. Take the caller's environment, as a spawned
+    # process would, before unpickling the test's function imports its module; the output goes to files that
+    # the caller copies to its own (where pytest captures it) once the ranks are done.
+    os.environ.clear()
+    os.environ.update(environ)
+    for fd, stream in ((1, "stdout"), (2, "stderr")):
+        out = os.open(os.path.join(outdir, f"{rank}.{stream}"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.dup2(out, fd)
+        os.close(out)
     if launch_env:  # like torchrun
         os.environ.update(
             RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
@@ -92,6 +108,7 @@ def _child(
         )  # fmt: skip
     res = RankResult(rank)
     try:
+        fn, args = pickle.loads(call)
         if init:
             from datetime import timedelta
 
@@ -117,6 +134,8 @@ def _child(
     # Run the exit hooks as a normal exit would, then skip interpreter teardown: a rank whose peers died
     # can block in the process group's destructor.
     atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(0)
 
 
@@ -130,20 +149,22 @@ def run_ranks(
     init: bool = True,
     launch_env: bool = False,
 ) -> Ranks:
-    """Run ``fn(rank, *args)`` in ``nprocs`` spawned processes; return every rank's result.
+    """Run ``fn(rank, *args)`` in ``nprocs`` new processes; return every rank's result.
 
     ``init``: initialise a gloo process group first (rank passed explicitly, as under ``mp.spawn``).
     ``launch_env``: also export torchrun's variables and initialise from ``env://``.
     ``timeout``: seconds for the whole run; ranks still alive then are killed and marked ``hung``.
     ``fn`` must be a module-level function (it is pickled by name).
     """
-    env = {"RANKSAFE_TIMEOUT": "30", **(env or {})}
-    ctx = mp.get_context("spawn")
+    # Like mp.spawn: no launcher variables unless the test asks for them.
+    environ = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    environ.update({"RANKSAFE_TIMEOUT": "30", **(env or {})})
+    call = pickle.dumps((fn, args))
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="ranks-") as outdir:
         port = free_port()
         procs = [
-            ctx.Process(target=_child, args=(fn, r, nprocs, port, outdir, args, env, init, launch_env), daemon=True)
+            _START.Process(target=_child, args=(call, r, nprocs, port, outdir, environ, init, launch_env), daemon=True)
             for r in range(nprocs)
         ]
         for p in procs:
@@ -157,6 +178,9 @@ def run_ranks(
             if hung:
                 p.kill()
                 p.join(5)
+            for fd, stream in ((1, "stdout"), (2, "stderr")):
+                with contextlib.suppress(FileNotFoundError), open(fd, "wb", closefd=False) as caller:
+                    caller.write(Path(outdir, f"{r}.{stream}").read_bytes())
             path = os.path.join(outdir, f"{r}.pkl")
             if os.path.exists(path):
                 with open(path, "rb") as f:
