@@ -48,7 +48,9 @@ case "$job" in
     trap 'rm -rf "$site" "$executed"' EXIT
     # pytest exits 5 when it collected nothing: that is a failure here, as is any other non-zero code.
     # tests/test_notebooks.py runs each tutorial in nbs/ top to bottom and keeps the executed copy.
-    RANKSAFE_EXECUTED_NOTEBOOKS=$executed pytest "${@:2}"
+    # Two test files at a time (a file's tests share its fixtures): most tests spend their time waiting on other
+    # processes (ranks starting, timeouts running out), so one file at a time leaves a core idle.
+    RANKSAFE_EXECUTED_NOTEBOOKS=$executed pytest -n 2 --dist loadfile "${@:2}"
     # The docs site, strict: a broken link or cross-reference fails the run (docstrings: tests/test_docstrings.py).
     # The tutorial pages show the outputs of the run above (docs/_ext/executed_notebooks.py), not a second run.
     RANKSAFE_EXECUTED_NOTEBOOKS=$executed NO_MKDOCS_2_WARNING=1 timeout 900 mkdocs build --strict -d "$site"  # not --quiet: it hides the warnings

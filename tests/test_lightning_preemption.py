@@ -363,8 +363,9 @@ def uninterrupted(tmp_path_factory):
 
 def test_preempted_twice_and_resumed_the_runs_train_every_step_once_like_an_uninterrupted_run(tmp_path, uninterrupted):
     total = EPOCHS * STEPS_PER_EPOCH
-    # the control, stock Lightning, meanwhile: the same SIGTERM to rank 1
-    stock = launch(tmp_path / "stock", "stock", "--ranksafe", "none", "--pg-timeout", "10")
+    # the control, stock Lightning, meanwhile: the same SIGTERM to rank 1 (the timeout bounds the rendezvous too,
+    # while Lightning starts rank 1 on a loaded machine)
+    stock = launch(tmp_path / "stock", "stock", "--ranksafe", "none", "--pg-timeout", "30")
     signal_when(stock, 1, 4, signal.SIGTERM)
     # 1: SIGTERM to rank 1 alone, mid-epoch 0
     first = launch(tmp_path, "first", "--every-n-train-steps", "3")
