@@ -103,3 +103,28 @@ def test_every_rank_records_rank_0s_metrics(tmp_path):
     for _, failed in values:
         assert failed and "rank 1" in failed and "NoneType" in failed, failed
     assert ranksafe.verify_step(tmp_path / "step_00000003")["metrics"] == {"val_loss": 5.0}
+
+
+def test_a_manifest_that_cannot_be_read_now_deletes_nothing_and_the_next_save_ranks_it(tmp_path, monkeypatch):
+    """Before: an I/O error reading an earlier run's manifest counted as "no metric", for the rest of the process, so
+    retention deleted the best step. Now that save deletes nothing, with a warning, and a later one ranks the steps."""
+    root = tmp_path / "ckpt"
+    first = ranksafe.CheckpointManager(root, keep=1, best_metric="loss", keep_best=1)
+    for step, loss in ((1, 0.1), (2, 0.9)):
+        first.save(step, {"w": torch.zeros(1)}, metrics={"loss": loss})
+    assert [s.step for s in ranksafe.list_steps(root)] == [1, 2]
+    read, failures = ranksafe.retention.read_manifest, []
+
+    def flaky(place):
+        if not failures:
+            failures.append(place)
+            raise OSError(5, "Input/output error (injected)", str(place))
+        return read(place)
+
+    monkeypatch.setattr(ranksafe.retention, "read_manifest", flaky)
+    again = ranksafe.CheckpointManager(root, keep=1, best_metric="loss", keep_best=1)  # metrics come from manifests
+    with pytest.warns(UserWarning, match="retention waits for a later save: .*Input/output error"):
+        again.save(3, {"w": torch.zeros(1)}, metrics={"loss": 0.5})
+    assert len(failures) == 1 and [s.step for s in ranksafe.list_steps(root)] == [1, 2, 3]
+    again.save(4, {"w": torch.zeros(1)}, metrics={"loss": 0.7})
+    assert [s.step for s in ranksafe.list_steps(root)] == [1, 4], "the best step and the newest"

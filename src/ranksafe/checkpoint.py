@@ -436,9 +436,17 @@ class CheckpointManager:
         return self.step_dir(step)
 
     def _retain(self, newest: int) -> None:
-        """Delete what :attr:`retention` no longer keeps, now that ``newest`` is committed (writers only)."""
+        """Delete what :attr:`retention` no longer keeps, now that ``newest`` is committed (writers only). When a
+        step's metric cannot be read now, nothing is deleted until a later save can rank the steps: deleting on a
+        guess could take the best step."""
         metric = functools.partial(self._metrics.value, name=self.retention.best_metric)
-        for step in self.retention.doomed(self._dirs.committed(), newest, self._loading, metric):
+        committed = self._dirs.committed()
+        try:
+            doomed = self.retention.doomed(committed, newest, self._loading, metric)
+        except OSError as e:
+            warnings.warn(f"{remote.where(self.root)}: retention waits for a later save: {e}", stacklevel=2)
+            return
+        for step in doomed:
             step_commit(self._dirs.place(step)).delete()  # no longer committed before its files go
             self._metrics.forget(step)
 

@@ -78,8 +78,9 @@ class StepMetrics:
     """The metrics of committed steps, as their manifests record them: what ranks the steps for ``best_metric``.
 
     The writer records a step's metrics when it commits it; a step committed by an earlier run is read from its
-    manifest once, at ``manifest_of(step)``'s place. A step whose manifest cannot be read has none: it is never
-    among the best. No collectives.
+    manifest once, at ``manifest_of(step)``'s place. A step whose manifest is missing or corrupt has none: it is
+    never among the best. Any other error reading it (an I/O error, remote storage refusing for a while) is raised
+    and remembers nothing: no step is ranked on a metric that could not be read. No collectives.
     """
 
     def __init__(self, manifest_of: Callable[[int], Any]) -> None:
@@ -95,11 +96,12 @@ class StepMetrics:
         self._by_step.pop(step, None)
 
     def value(self, step: int, name: str | None) -> float | None:
-        """``step``'s value of metric ``name``, or None (no such metric, not a number, an unreadable manifest)."""
+        """``step``'s value of metric ``name``, or None (no such metric, not a number, a missing or corrupt
+        manifest); ``OSError`` when the manifest could not be read now."""
         if step not in self._by_step:
             try:
                 metrics = read_manifest(self._manifest_of(step)).get("metrics")
-            except (OSError, CorruptCheckpoint):
+            except (FileNotFoundError, CorruptCheckpoint):
                 metrics = None
             self._by_step[step] = metrics if isinstance(metrics, dict) else {}
         value = self._by_step[step].get(name)  # type: ignore[arg-type]
