@@ -241,6 +241,47 @@ def test_a_corrupt_newest_step_raises_everywhere_naming_the_file_or_falls_back(t
 # -- one process -------------------------------------------------------------------------------------
 
 
+def test_after_falling_back_over_a_damaged_step_training_saves_below_it_and_resumes_from_there(tmp_path):
+    """Before: the damaged step still counted as the newest, so the first save below it (step 15 after falling back
+    from 20 to 10) was refused, and training could not go on from the step it fell back to."""
+    root = tmp_path / "ckpt"
+    mgr = CheckpointManager(root, keep=None)
+    for step in (10, 20):
+        mgr.save(step, {"w": torch.full((4,), float(step))})
+    state = root / "step_00000020" / "state.pt"
+    data = bytearray(state.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    state.write_bytes(bytes(data))
+    with pytest.warns(RuntimeWarning, match="step_00000020/state.pt.*falling back to step 10"):
+        assert mgr.load(fallback=True)["w"][0].item() == 10.0
+    mgr.save(15, {"w": torch.full((4,), 15.0)})
+    relaunched = CheckpointManager(root, keep=None)
+    with pytest.warns(RuntimeWarning, match="falling back to step 15"):
+        assert relaunched.load(fallback=True)["w"][0].item() == 15.0
+    with pytest.raises(ValueError, match="holds step 15 already"):  # an undamaged newer step still holds a save back
+        relaunched.save(12, {"w": torch.zeros(4)})
+
+
+def test_an_io_error_while_verifying_raises_instead_of_falling_back_over_a_sound_step(tmp_path, monkeypatch):
+    """Before: any error met while verifying the newest step (an I/O error, storage refusing for a while) counted as
+    damage, and load(fallback=True) went back to an older step over a sound one."""
+    mgr = CheckpointManager(tmp_path / "ckpt", keep=None)
+    for step in (1, 2):
+        mgr.save(step, {"w": torch.full((2,), float(step))})
+
+    verify = ranksafe.step_agreement.verify_step
+
+    def newest_unreadable(place, **kwargs):
+        if str(place).endswith("step_00000002"):
+            raise OSError(errno.EIO, "Input/output error (injected)", str(place))
+        return verify(place, **kwargs)
+
+    monkeypatch.setattr(ranksafe.step_agreement, "verify_step", newest_unreadable)
+    with pytest.raises(OSError, match="Input/output error"):
+        mgr.load(fallback=True)
+    assert mgr.loaded_step is None
+
+
 @pytest.mark.parametrize("step", [-1, 1.5, True, "3", "../x"])
 def test_steps_must_be_non_negative_ints(tmp_path, step):
     with pytest.raises(ValueError, match="step must be"):

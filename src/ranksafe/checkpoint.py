@@ -157,6 +157,7 @@ class CheckpointManager:
         self.storage_options = storage_options
         self.storage, self.prefix, self.timeout = storage, prefix, checked_timeout(timeout)
         self.loaded_step: int | None = None  # the step the last load() returned (after any fallback)
+        self._damaged: set[int] = set()  # steps a load fell back from: they hold no lower save back
         self._loading: set[int] = set()
         self._dirs = StepDirs(self._base, prefix)
         self._metrics = StepMetrics(self._dirs.place)  # the writer's: what ranks the steps for retention
@@ -322,7 +323,7 @@ class CheckpointManager:
             floats = {k: float(v) for k, v in (metrics or {}).items()}  # a bad value on any rank fails every rank
             if where.writer:
                 left = self._dirs.clean_debris()
-                if (newest := self._dirs.newest(left)) is not None and step < newest:
+                if (newest := self._dirs.newest(left - self._damaged)) is not None and step < newest:
                     raise ValueError(
                         f"checkpoint {step}: {self.root} holds step {newest} already: latest() and a resume would take "
                         f"step {newest}, and retention would delete step {step} first. Save a new run under a new "
@@ -478,7 +479,9 @@ class CheckpointManager:
 
         The writer(s) check every file against the manifest first. A corrupt step raises
         :class:`CorruptCheckpoint` on every rank, naming the file, unless ``fallback`` is set (and ``step``
-        is not): then the previous good step loads, with a warning. :attr:`loaded_step` says which step.
+        is not): then the previous good step loads, with a warning. :attr:`loaded_step` says which step. Training
+        may then save steps below the damaged one: a resume falls back over it again to the newest of them. Any
+        other error (an I/O error, say) raises on every rank, with or without ``fallback``.
 
         ``into``: a step saved with sharded state loads in place into this state, which is returned (its
         ``DTensor`` objects get this rank's part, resharded to their current mesh and placements; ``Stateful``
@@ -539,6 +542,7 @@ class CheckpointManager:
             if (error := bad(s)) is None:
                 return s
             warnings.warn(f"{error}; falling back to step {older}", RuntimeWarning, stacklevel=3)
+            self._damaged.add(s)
         if (error := bad(candidates[-1])) is not None:
             raise error
         return candidates[-1]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from .collectives import exchange_outcome, share_outcome
 from .commit import Place, verify_step
-from .errors import BarrierTimeout, CollectiveMismatch, error_naming_target
+from .errors import CorruptCheckpoint, error_naming_target
 from .sharded import verify_shares
 from .steps import StepDirs
 
@@ -34,9 +34,10 @@ def _newest_common(listed: list[list[int] | None]) -> list[int]:
 def verdict(
     place: Place, step: int, writer: bool, split: bool = False, timeout: float | None = None
 ) -> Exception | None:
-    """The agreed verdict on step ``step`` at ``place``: None, or the error every rank is to raise (or fall back on).
-    The writer checks every file against the manifest; with ``split`` (a sharded step) every rank checks its share of
-    the files instead. A rank missing from the exchange says nothing about the step: that raises. Collective."""
+    """The agreed verdict on step ``step`` at ``place``: None, or the damage every rank is to raise (or fall back on):
+    a :class:`CorruptCheckpoint` or ``FileNotFoundError``. The writer checks every file against the manifest; with
+    ``split`` (a sharded step) every rank checks its share of the files instead. Any other error (an I/O error,
+    remote storage refusing, a rank missing from the exchange) says nothing about the step: it raises. Collective."""
     exc = None
     if split or writer:
         try:
@@ -51,8 +52,6 @@ def verdict(
         # here, at once, instead of parting into DCP's collectives and a plain load's
         kind = "sharded, into=" if split else "whole"
         share_outcome(f"checkpoint {step}: verify, {kind}", exc, timeout, what=f"verify step {step}")
-    except (BarrierTimeout, CollectiveMismatch):
-        raise
-    except Exception as e:  # RankFailure; in a single process, the writer's own error
+    except (CorruptCheckpoint, FileNotFoundError) as e:  # RankFailure[...]; in a single process, the writer's own
         return e
     return None
