@@ -185,6 +185,24 @@ def test_manager_on_memory_commits_by_manifest_keeps_the_newest_and_ignores_debr
     assert warned[0].filename == __file__  # the warning points at the caller's load()
 
 
+def test_a_committed_step_is_not_saved_again_on_remote_storage_where_a_failed_save_would_lose_it(memory):
+    """Before: with no rename, a save of a committed step's number removed it before writing, and any failure (here
+    a value that does not pickle) left no copy of that step: latest() was None."""
+    mgr = ranksafe.CheckpointManager("memory://run")
+    mgr.save(1, _state(1))
+    with pytest.raises(ValueError, match=r"step 1 is committed under memory://run already.*new step number"):
+        mgr.save(1, {"step": _Unpicklable()})
+    assert mgr.latest() == 1 and mgr.load()["step"] == 1
+    mgr.save(2, _state(2))
+    data = bytearray(memory.cat_file("/run/step_00000002/state.pt"))
+    data[100] ^= 1
+    memory.pipe_file("/run/step_00000002/state.pt", bytes(data))
+    with pytest.warns(RuntimeWarning, match="falling back to step 1"):
+        assert mgr.load(fallback=True)["step"] == 1
+    mgr.save(2, _state(2))  # a damaged step holds nothing to lose: saved again, it loads
+    assert mgr.load()["step"] == 2
+
+
 def test_manager_on_memory_saves_in_the_background(memory):
     mgr = ranksafe.CheckpointManager("memory://bg", keep=None, async_save=True)
     for step in (1, 2):

@@ -329,6 +329,11 @@ class CheckpointManager:
                         f"step {newest}, and retention would delete step {step} first. Save a new run under a new "
                         "root, or remove the newer steps"
                     )
+                if step == newest and isinstance(self._dirs.base, Remote):  # no rename: it would go before the new one
+                    raise ValueError(
+                        f"checkpoint {step}: step {step} is committed under {self.root} already, and remote storage "
+                        "cannot replace it in one move: a failed save would lose it. Save it under a new step number"
+                    )
                 commit.create()
         if apart := outcome.result:
             if where.writer:

@@ -146,7 +146,8 @@ class ObjectDir:
     """The commit protocol on remote storage: the step's files under its own prefix, the manifest last.
 
     Same calls as :class:`AtomicDir`; ``tmp`` is the final prefix itself. ``create()`` removes what an earlier
-    attempt left there, uncommitting a step saved again first (its manifest goes before its files).
+    attempt left there (a step a load found damaged is uncommitted first: its manifest goes before its files). The
+    manager never creates a committed step again: with no rename, it would be gone before its replacement is in.
     """
 
     def __init__(self, final: Remote):
