@@ -238,6 +238,24 @@ def test_a_corrupt_newest_step_raises_everywhere_naming_the_file_or_falls_back(t
         assert v["shard"] == v["rank"] and v["files"] == ["MANIFEST.json", "shard-00000.pt", "shard-00001.pt"]
 
 
+def _bad_file_name_on_rank_0(rank, root):
+    mgr = CheckpointManager(root)
+    start = time.monotonic()
+    try:
+        mgr.save(1, _state(1), extra_files={"notes/../x": "rank 0 only"} if rank == 0 else None)
+    except Exception as e:
+        return {"type": type(e).__name__, "msg": str(e)[:300], "seconds": time.monotonic() - start}
+    return None
+
+
+def test_a_bad_file_name_given_on_one_rank_fails_every_rank_naming_it(tmp_path):
+    """Before: the name was checked before the first exchange, so rank 0 raised alone and rank 1 waited in the
+    exchange until rank 0's process ended, then raised that it had ended, without the cause."""
+    r0, r1 = run_ranks(_bad_file_name_on_rank_0, 2, args=(str(tmp_path / "ckpt"),), timeout=90).values
+    assert r0["type"] == r1["type"] == "RankFailure[ValueError]", (r0, r1)
+    assert "notes/../x" in r1["msg"] and "rank 0" in r1["msg"] and r1["seconds"] < 10, r1
+
+
 # -- one process -------------------------------------------------------------------------------------
 
 

@@ -268,8 +268,6 @@ class CheckpointManager:
         background). The root must be shared by every rank.
         """
         writer_files = dict(writer_files or {})
-        for name in writer_files:
-            check_name(name, "file name")
         where = self.placement
         commit, metrics = self._open(step, where, writer_files, metrics, sharded=shards is not None)
         tx = StepWriter(commit, step)
@@ -319,6 +317,8 @@ class CheckpointManager:
         ) as outcome:  # fmt: skip
             if sharded:
                 require_shared(where, self.root)  # the placement is agreed: every rank with DTensors raises alike
+            for name in writer_files:  # every rank: the names may differ where only the writers' count
+                check_name(name, "file name")
             refuse_sharded(writer_files, f"checkpoint {step}")  # every rank: the writers write theirs whole
             floats = {k: float(v) for k, v in (metrics or {}).items()}  # a bad value on any rank fails every rank
             if where.writer:
