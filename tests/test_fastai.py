@@ -543,6 +543,31 @@ def test_a_failure_on_one_rank_reaches_the_others_with_ranksafe_passed_to_fit_on
     assert r0["seconds"] < 15, r0
 
 
+def _fit_only_in_an_except_block(rank, root):
+    """RankSafe passed to this fit only, and the fit called on rank 0 while it handles an earlier error (a retry)."""
+    from ranksafe.fastai import prepare_distributed
+
+    prepare_distributed()
+    learn = _learner(root, False)
+    try:
+        if rank == 0:
+            try:
+                raise ValueError("handled before the fit")
+            except ValueError:
+                _fit_watch(learn, 1, RankSafe())
+        else:
+            _fit_watch(learn, 1, RankSafe())
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"[:300]
+    return None
+
+
+def test_a_fit_called_while_the_caller_handles_an_error_ends_well_on_every_rank(tmp_path):
+    """Before: at the fit's end RankSafe took the error the caller was handling for the fit's own, and posted it:
+    rank 1's fit raised a RankFailure naming rank 0's ValueError, from a fit that went well everywhere."""
+    assert run_ranks(_fit_only_in_an_except_block, 2, args=(str(tmp_path),), timeout=120).values == [None, None]
+
+
 class FailAtEnd(Callback):
     """Raise on one rank only in ``after_fit``, after RankSafe's last collective (a logger closing its file)."""
 

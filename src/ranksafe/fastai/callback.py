@@ -158,7 +158,10 @@ class RankSafe(Callback):
     def learn(self, learn: Learner | None) -> None:
         if learn is self._learn:
             return
-        ending, exc = learn is None and self._fit is not None, sys.exc_info()[1]
+        ending = learn is None and self._fit is not None
+        exc = sys.exc_info()[1] if ending else None
+        if ending and exc is self._fit.handled:  # a fit called in an `except` block ended well
+            exc = None
         if ending:  # given to one fit, taken off as it ends: fastai's fit, not the `fit` below, so do what it does
             self._end_fit(exc)
         if self._learn is not None:
@@ -197,7 +200,7 @@ class RankSafe(Callback):
         # where learn.path is a URL, fastai makes local folders named after it for lr_find's model and the CSV log
         kinds = (TerminateOnNaNCallback,) if several else ()
         kinds += (LRFinder, CSVLogger) if remote.is_url(learn.path) else (LRFinder,) if several else ()
-        self._fit = Fit(guarded=guard(learn.cbs, kinds))
+        self._fit = Fit(guarded=guard(learn.cbs, kinds), handled=sys.exc_info()[1])
         self._exported_ranks |= prepare_distributed()  # a process group made after this callback and its Learner
         if several:
             self._refuse_training_alone()

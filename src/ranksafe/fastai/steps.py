@@ -50,6 +50,7 @@ class Fit:
     guarded: list[tuple[Callback, str]]  # other callbacks' events made rank-safe for this fit (guards.guard)
     quiet: list[tuple[Callback, str]] = field(default_factory=list)  # trackers' events kept quiet (quiet_trackers)
     epoch: int = 0  # the fit's epoch: a validate pass inside the fit sets learn.epoch to 0
+    handled: BaseException | None = None  # what the caller was handling when the fit began: not the fit's error
     # checkpointing, mostly FitSteps': a training fit with checkpoint_dir (not lr_find). Set by FitSteps.start, cleared
     # first thing when RankSafe stops checkpointing (so that a stop that raised is not run again at the fit's end)
     checkpointing: bool = False
