@@ -251,8 +251,10 @@ class CheckpointManager:
         The writer(s) create the temporary step directory before any rank enters the block, so every rank
         can write its side state into ``writer.path`` (RNG, data loader, user files). ``writer_files``
         (name -> bytes, str, or an object for ``torch.save``) are written by the writer(s) alone, after the
-        block. If any rank fails, no rank commits and every rank raises :class:`RankFailure`. Three
-        exchanges in all, whatever the world size.
+        block. If any rank fails before the commit, no rank commits and every rank raises :class:`RankFailure`.
+        With a writer per node, one writer's commit can fail after another's succeeded: every rank raises, and the
+        step stays on that other node only, where :meth:`latest` (the newest step on every node) does not count it.
+        Three exchanges in all, whatever the world size.
 
         With ``async_save``: the first exchange is :meth:`check` (after the writer waited for the previous
         commit), and the block's end snapshots ``writer_files`` and hands the commit to the background
