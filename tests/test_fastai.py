@@ -150,7 +150,7 @@ def bound_to_itself(copy) -> list[str]:
     return sorted(k for k, v in vars(copy).items() if isinstance(v, functools.partial) and v.args[:1] == (copy,))
 
 
-LEARNER_METHODS = ["export", "fit", "get_preds", "load", "resume", "save"]  # those of a tabular Learner
+LEARNER_METHODS = ["export", "fit", "get_preds", "load", "resume", "save", "validate"]  # those of a tabular Learner
 
 
 class Pickles(Callback):
@@ -566,6 +566,24 @@ def test_a_fit_called_while_the_caller_handles_an_error_ends_well_on_every_rank(
     """Before: at the fit's end RankSafe took the error the caller was handling for the fit's own, and posted it:
     rank 1's fit raised a RankFailure naming rank 0's ValueError, from a fit that went well everywhere."""
     assert run_ranks(_fit_only_in_an_except_block, 2, args=(str(tmp_path),), timeout=120).values == [None, None]
+
+
+def _validates_alone(rank, root):
+    learn = _learner(root, True)
+    _fit_watch(learn, 1)
+    start = time.monotonic()
+    alone = [float(v) for v in learn.validate()] if rank == 0 else None  # common after training: rank 0 evaluates
+    seconds = time.monotonic() - start
+    ranksafe.barrier("rank 0 validated")
+    return {"alone": alone, "seconds": seconds, "every rank": [float(v) for v in learn.validate()]}
+
+
+def test_one_rank_validates_alone_after_the_fit_as_every_rank_would(tmp_path):
+    """Before: fastai's loss gathered each batch from every rank (RankSafe exports WORLD_SIZE under mp.spawn, as
+    torchrun does), and RankSafe broadcast the record: rank 0 waited for a rank that never came."""
+    env = {"TEST_PG_TIMEOUT": "20"}
+    r0, r1 = run_ranks(_validates_alone, 2, args=(str(tmp_path),), env=env, launch_env=True, timeout=90).values
+    assert r0["alone"] == r0["every rank"] == r1["every rank"] and r0["seconds"] < 5, (r0, r1)
 
 
 class FailAtEnd(Callback):

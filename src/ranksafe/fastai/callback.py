@@ -321,9 +321,10 @@ class RankSafe(Callback):
             self._steps.save(self.learn, fit, inside_epoch=False)
 
     def _agree_on_record(self) -> None:
-        """Every rank's epoch record becomes rank 0's (one broadcast; a ``get_preds`` pass records nothing)."""
+        """Every rank's epoch record becomes rank 0's (one broadcast). A fit's only: a ``validate`` pass may run on
+        one rank alone, and a ``get_preds`` pass records nothing."""
         recorder = getattr(self.learn, "recorder", None)
-        if topology.world_size() >= 2 and not hasattr(self.learn, "gather_preds") and getattr(recorder, "values", None):
+        if topology.world_size() >= 2 and not _validating(self.learn) and getattr(recorder, "values", None):
             agreed = broadcast(list(recorder.values[-1]), name="fastai: epoch record")
             recorder.values[-1] = self.learn.final_record = L(agreed)
 
@@ -406,7 +407,8 @@ class RankSafeLearner:
     are ranksafe's (as :class:`RankSafe` installs them), and every instance gets the :class:`RankSafe` callback."""
 
     fit, resume = fit, resume
-    save, load, export, get_preds = learner.save, learner.load, learner.export, learner.get_preds
+    save, load, export = learner.save, learner.load, learner.export
+    get_preds, validate = learner.get_preds, learner.validate
     save_encoder, load_encoder, load_pretrained = learner.save_encoder, learner.load_encoder, learner.load_pretrained
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -4,8 +4,8 @@ Every function here is a collective (all ranks call it, as in any fastai DDP scr
 a failed write or read raises :class:`ranksafe.RankFailure` on every rank, and every load waits for the writer. In a
 single process they write what fastai's own write. Loads are ``weights_only`` unless ``trusted=True``; the readers of
 pickles (:func:`load_learner`, :func:`load_data`) refuse to run without it. The methods (:func:`save`, :func:`load`,
-:func:`export`, :func:`get_preds`) take the Learner first: they are ``RankSafeLearner``'s, and RankSafe makes them
-one Learner instance's own.
+:func:`export`, :func:`get_preds`, :func:`validate`) take the Learner first: they are ``RankSafeLearner``'s, and
+RankSafe makes them one Learner instance's own.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import os
 import pickle
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -261,10 +262,26 @@ def get_preds(learn: Learner, *args: Any, save_preds=None, save_targs=None, cbs=
     (which sees ``WORLD_SIZE``) gathered every batch from every rank, returning the first half of the doubled rows."""
     if save_preds is not None or save_targs is not None:
         cbs = [*L(cbs), _SavePreds(save_preds, save_targs, kwargs.get("pickle_protocol", 2))]
+    with _gathering_from_sharded_loaders_only(learn):
+        return stock_method(learn, "get_preds", get_preds)(*args, cbs=cbs, **kwargs)
+
+
+def validate(learn: Learner, *args: Any, **kwargs: Any) -> Any:
+    """``validate``, gathering batches only from a sharded loader, as :func:`get_preds`: outside ``distrib_ctx``
+    one rank may validate alone (``if rank == 0: learn.validate()``), where fastai's loss and metrics waited for
+    the other ranks in a gather they never joined."""
+    with _gathering_from_sharded_loaders_only(learn):
+        return stock_method(learn, "validate", validate)(*args, **kwargs)
+
+
+@contextmanager
+def _gathering_from_sharded_loaders_only(learn: Learner) -> Iterator[None]:
+    """``learn.to_detach`` is :func:`_to_detach_sharded_only` meanwhile (fastai's loss, metrics and predictions all
+    gather through it)."""
     had = vars(learn).get("to_detach")
     vars(learn)["to_detach"] = partial(_to_detach_sharded_only, learn)
     try:
-        return stock_method(learn, "get_preds", get_preds)(*args, cbs=cbs, **kwargs)
+        yield
     finally:
         if had is None:
             del vars(learn)["to_detach"]
