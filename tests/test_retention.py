@@ -128,3 +128,19 @@ def test_a_manifest_that_cannot_be_read_now_deletes_nothing_and_the_next_save_ra
     assert len(failures) == 1 and [s.step for s in ranksafe.list_steps(root)] == [1, 2, 3]
     again.save(4, {"w": torch.zeros(1)}, metrics={"loss": 0.7})
     assert [s.step for s in ranksafe.list_steps(root)] == [1, 4], "the best step and the newest"
+
+
+def test_a_deletion_that_fails_after_the_commit_says_the_new_step_is_committed(tmp_path, monkeypatch):
+    """Before: the save raised the deletion's error alone, and read as a failed save of a step that was committed."""
+    root = tmp_path / "ckpt"
+    mgr = ranksafe.CheckpointManager(root, keep=1)
+    mgr.save(1, {"w": torch.zeros(1)})
+
+    def refuse(self):
+        raise PermissionError(13, "Permission denied (injected)", str(self.final))
+
+    monkeypatch.setattr(ranksafe.commit.AtomicDir, "delete", refuse)
+    with pytest.raises(PermissionError) as raised:
+        mgr.save(2, {"w": torch.ones(1)})
+    assert "step 2 is committed; retention could not delete step 1" in raised.value.__notes__[0]
+    assert mgr.latest() == 2 and mgr.load()["w"].item() == 1.0

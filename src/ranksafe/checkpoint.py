@@ -455,7 +455,11 @@ class CheckpointManager:
             warnings.warn(f"{remote.where(self.root)}: retention waits for a later save: {e}", stacklevel=2)
             return
         for step in doomed:
-            step_commit(self._dirs.place(step)).delete()  # no longer committed before its files go
+            try:
+                step_commit(self._dirs.place(step)).delete()  # no longer committed before its files go
+            except OSError as e:  # raised on every rank: say that the step being saved is safe
+                e.add_note(f"step {newest} is committed; retention could not delete step {step} after it")
+                raise
             self._metrics.forget(step)
 
     # -- loading --------------------------------------------------------------------------------------
