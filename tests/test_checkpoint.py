@@ -278,6 +278,10 @@ def test_after_falling_back_over_a_damaged_step_training_saves_below_it_and_resu
         assert relaunched.load(fallback=True)["w"][0].item() == 15.0
     with pytest.raises(ValueError, match="holds step 15 already"):  # an undamaged newer step still holds a save back
         relaunched.save(12, {"w": torch.zeros(4)})
+    relaunched.save(20, {"w": torch.full((4,), 20.0)})  # the damaged step saved again, whole
+    with pytest.raises(ValueError, match="holds step 20 already"):
+        relaunched.save(18, {"w": torch.zeros(4)})
+    assert relaunched.load()["w"][0].item() == 20.0
 
 
 def test_an_io_error_while_verifying_raises_instead_of_falling_back_over_a_sound_step(tmp_path, monkeypatch):

@@ -392,6 +392,7 @@ class CheckpointManager:
             with naming_target(f"cannot commit step {tx.step}:", name_of(commit.final)):
                 commit.finalize(build_manifest(commit.tmp, tx.step, tx.entries, tx.metrics))
                 self._metrics.record(tx.step, tx.metrics)
+                self._damaged.discard(tx.step)  # saved again, whole: it holds lower saves back again
         except BaseException:
             commit.abort()
             raise
