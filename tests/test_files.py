@@ -300,7 +300,7 @@ _KILL_CHILD = textwrap.dedent(
     """
     import sys, torch, ranksafe
     path, mode, version = sys.argv[1], sys.argv[2], float(sys.argv[3])
-    state = {"w": torch.full((50 * 1024 * 1024 // 4,), version)}  # ~200 MB
+    state = {"w": torch.full((50 * 1024 * 1024 // 4,), version)}  # 50 MiB
     print("writing", flush=True)
     if mode == "naive":
         torch.save(state, path)
@@ -311,15 +311,16 @@ _KILL_CHILD = textwrap.dedent(
 )
 
 
-def _writing_size(path, mode: str) -> int:
-    """Size of the file a save is writing right now: the target itself (naive) or our temporary."""
+def _writing_size(path, mode: str, committed_size: int) -> int:
+    """Size of the file a save is writing right now: our temporary, or the target itself once the naive save has
+    truncated it (until then it is the committed file, and a kill would find it intact)."""
     names = [path.name] if mode == "naive" else [n for n in os.listdir(path.parent) if n.endswith(TMP_SUFFIX)]
     for name in names:
         try:
             size = os.path.getsize(path.parent / name)
         except FileNotFoundError:
             continue
-        if mode != "naive" or size < (150 << 20):  # naive: the new write truncated the old file
+        if mode != "naive" or size < committed_size:
             return size
     return 0
 
@@ -331,13 +332,16 @@ def _kill_mid_save(path, mode: str, runs: int) -> tuple[int, set[str]]:
     torn, left, committed = 0, set(), 0.0
     ranksafe.atomic_save({"w": torch.full((50 * 1024 * 1024 // 4,), committed)}, path)
     for k in range(1, runs + 1):
+        committed_size = os.path.getsize(path)
         proc = subprocess.Popen(
             [sys.executable, "-c", _KILL_CHILD, str(path), mode, str(k)], stdout=subprocess.PIPE, text=True
         )
         assert proc.stdout.readline().strip() == "writing"
         # kill while the bytes are going out: once the file being written has grown past 1 MiB
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and proc.poll() is None and _writing_size(path, mode) <= (1 << 20):
+        while time.monotonic() < deadline and proc.poll() is None:
+            if _writing_size(path, mode, committed_size) > (1 << 20):
+                break
             time.sleep(0.0005)
         os.kill(proc.pid, 9)
         proc.wait()
