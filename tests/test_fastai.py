@@ -617,7 +617,11 @@ def _fails_at_the_end(rank, root, how, port=None):
         error = {"type": type(e).__name__, "msg": str(e)[:600]}
     seen = vars(watch)  # empty when no before_fit reached it
     weights = seen["weights"][-1] if seen.get("weights") else None
-    return {"error": error, "seconds": time.monotonic() - start, "shards": seen.get("shards", []), "weights": weights}
+    left = [type(cb).__name__ for cb in learn.cbs if isinstance(cb, RankSafe)] + [hasattr(learn, "rank_safe")]
+    return {
+        "error": error, "seconds": time.monotonic() - start, "shards": seen.get("shards", []), "weights": weights,
+        "left": left,
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize("how", ["attached", "fit only, made before distrib_ctx"])
@@ -631,6 +635,9 @@ def test_a_failure_after_the_last_collective_of_a_fit_reaches_every_rank(tmp_pat
     for v, rank in ((r0, 0), (r1, 1)):  # DDP on two data shards, whichever way RankSafe came
         assert v["shards"][0] == ("DistributedDataParallel", rank, 2), v["shards"]
     assert r0["weights"] == r1["weights"]
+    # a fit-only RankSafe is gone from the Learner, also on rank 0, where the barrier in fastai's remove_cb raised
+    # (before: it stayed in learn.cbs, with learn None)
+    assert r0["left"] == r1["left"] == (["RankSafe", True] if how == "attached" else [False]), (r0["left"], r1["left"])
 
 
 @pytest.mark.parametrize("how", ["fit only, made inside distrib_ctx", "attached before the process group"])

@@ -158,6 +158,7 @@ class RankSafe(Callback):
     def learn(self, learn: Learner | None) -> None:
         if learn is self._learn:
             return
+        old = self._learn
         ending = learn is None and self._fit is not None
         exc = sys.exc_info()[1] if ending else None
         if ending and exc is self._fit.handled:  # a fit called in an `except` block ended well
@@ -173,7 +174,14 @@ class RankSafe(Callback):
             self._installed = _install(learn)
             vars(learn)["preempted"] = self._preempted
         if ending:
-            _meet_or_abort(exc)
+            try:
+                _meet_or_abort(exc)
+            except BaseException:  # another rank failed late: fastai's remove_cb stops here, so finish it
+                if getattr(old, self.name, None) is self:
+                    delattr(old, self.name)
+                if self in old.cbs:
+                    old.cbs.remove(self)
+                raise
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()
