@@ -441,8 +441,9 @@ def test_train_time_interval_with_a_skewed_clock_saves_the_same_steps_on_every_r
 
 def test_under_slurm_a_signal_is_an_agreed_save_a_clean_stop_and_one_requeue_from_rank_0(tmp_path):
     ours_out, stock_out = tmp_path / "ours", tmp_path / "stock"
-    # the control, meanwhile: RankSafe without preemption leaves SIGUSR1 to Lightning's requeue handler
-    flags = ("--ranksafe", "without-preemption", "--pg-timeout", "10")
+    # the control, meanwhile: RankSafe without preemption leaves SIGUSR1 to Lightning's requeue handler (the timeout
+    # bounds the rendezvous too, while Lightning starts rank 1 on a loaded machine)
+    flags = ("--ranksafe", "without-preemption", "--pg-timeout", "20")
     stock = launch_slurm(stock_out, "stock", *flags, path_first=_fake_scontrol(stock_out))
     signal_when(stock, 1, 4, signal.SIGUSR1)
     ours = launch_slurm(ours_out, "ours", path_first=_fake_scontrol(ours_out))
