@@ -177,10 +177,7 @@ class RankSafe(Callback):
             try:
                 _meet_or_abort(exc)
             except BaseException:  # another rank failed late: fastai's remove_cb stops here, so finish it
-                if getattr(old, self.name, None) is self:
-                    delattr(old, self.name)
-                if self in old.cbs:
-                    old.cbs.remove(self)
+                old.remove_cb(self)  # sets learn None again: a no-op here, then takes the callback off
                 raise
 
     def __getstate__(self) -> dict:
