@@ -45,6 +45,7 @@ def _two_nodes(rank, base):
     latest = resumed.latest()
     state = resumed.load()
     rng = ranksafe.load_file(os.path.join(resumed.step_dir(3), f"rng-{rank}.pt"))["rng"].tolist()
+    listed = sorted(os.listdir(resumed.step_dir(3)))  # this node's copy
     ranksafe.barrier("every rank read step 3")
     # node 1 missed the newest step: its copy of step 3 never got past the temporary name
     if rank == 2:
@@ -58,6 +59,7 @@ def _two_nodes(rank, base):
         "latest": latest,
         "w": state["w"][0].item(),
         "rng": rng,
+        "listed": listed,
         "behind": behind,
         "fallback_w": fallback["w"][0].item(),
         "after": resumed.latest(),
@@ -76,12 +78,12 @@ def test_two_nodes_with_local_disks_save_resume_and_agree_on_the_common_step(tmp
         assert v["after"] == 4
     assert [v["writer"] for v in values] == [True, False, True, False]
     disk0, disk1 = node_disk(tmp_path, 0), node_disk(tmp_path, 1)
-    # each node holds its own full copy, keep=2 applied per node, node 1's debris of step 3 cleaned
-    assert sorted(os.listdir(disk0)) == ["step_00000003", "step_00000004"]
-    assert sorted(os.listdir(disk1)) == ["step_00000002", "step_00000004"]
-    assert sorted(os.listdir(os.path.join(disk0, "step_00000003"))) == [
-        "MANIFEST.json", "rng-0.pt", "rng-1.pt", "state.pt",
-    ]  # fmt: skip
+    # each node held its own full copy of step 3, with its own ranks' side files
+    assert values[0]["listed"] == values[1]["listed"] == ["MANIFEST.json", "rng-0.pt", "rng-1.pt", "state.pt"]
+    assert values[2]["listed"] == values[3]["listed"] == ["MANIFEST.json", "rng-2.pt", "rng-3.pt", "state.pt"]
+    # keep=2 applied per node to the steps every node has: node 0's step 3, which no load takes now, deleted, node 1's
+    # debris of it cleaned. Before, node 0 kept step 3 and deleted step 2: the nodes had one step in common.
+    assert sorted(os.listdir(disk0)) == sorted(os.listdir(disk1)) == ["step_00000002", "step_00000004"]
     assert verify_step(os.path.join(disk1, "step_00000004"))["step"] == 4
 
 
@@ -463,6 +465,47 @@ def test_a_root_the_writer_cannot_list_fails_every_rank_at_once(tmp_path):
     for v in values:
         assert "NotADirectoryError" in v["types"] and str(root) in v["msg"] and "rank 0" in v["msg"], v
         assert v["seconds"] < 10
+
+
+def _one_node_commits(rank, base):
+    import resource
+
+    root = as_node(rank, 1, base)  # two nodes of one rank each, each with its own disk
+    mgr = CheckpointManager(root, keep=2, storage="local")
+    mgr.save(10, _state(10))
+    if rank == 1:  # node 1's disk fills up (EFBIG, even for root): its commit of step 20 fails, node 0's does not
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+    try:
+        mgr.save(20, {"w": torch.zeros(1 << 16)})
+        failed = None
+    except ranksafe.RankFailure as e:
+        failed = type(e).__name__
+    resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    relaunched = CheckpointManager(root, keep=2, storage="local")
+    out = {"failed": failed, "latest": relaunched.latest(), "w": relaunched.load()["w"][0].item()}
+    try:
+        for step in (11, 12):  # training resumed from step 10
+            relaunched.save(step, _state(step))
+        out["resumed"] = sorted(os.listdir(root))
+        relaunched.save(20, _state(20))
+        out["again"] = (relaunched.latest(), sorted(os.listdir(root)))
+    except ValueError as e:
+        out["refused"] = str(e)
+    return out
+
+
+def test_a_step_one_node_failed_to_commit_holds_no_resumed_save_back_on_the_node_that_did(tmp_path):
+    """Before: node 0 committed step 20 and node 1 did not; the relaunched job resumed from step 10 (the newest on
+    every node), and its first save was refused on every rank because node 0 "holds step 20 already". Retention on
+    node 0 also counted that step, deleting step 11 there, which node 1 kept."""
+    values = run_ranks(_one_node_commits, 2, args=(str(tmp_path),), timeout=120).values
+    for v in values:
+        assert v["failed"] == "RankFailure[OSError]" and (v["latest"], v["w"]) == (10, 10.0), v
+        assert "refused" not in v, v["refused"]
+    assert values[0]["resumed"] == ["step_00000011", "step_00000012", "step_00000020"]  # kept: 11, 12 and the stray
+    assert values[1]["resumed"] == ["step_00000011", "step_00000012"]
+    for v in values:  # step 20 saved again, whole, on both nodes: it counts again
+        assert v["again"] == (20, ["step_00000012", "step_00000020"]), v
 
 
 _FULL_DISK_CHILD = textwrap.dedent(

@@ -157,7 +157,9 @@ class CheckpointManager:
         self.storage_options = storage_options
         self.storage, self.prefix, self.timeout = storage, prefix, checked_timeout(timeout)
         self.loaded_step: int | None = None  # the step the last load() returned (after any fallback)
-        self._damaged: set[int] = set()  # steps a load fell back from: they hold no lower save back
+        # steps that hold no lower save back, nor count for retention: a load fell back over them, or they are
+        # committed on this writer's node and missing on another (a commit that failed there)
+        self._passed_over: set[int] = set()
         self._loading: set[int] = set()
         self._dirs = StepDirs(self._base, prefix)
         self._metrics = StepMetrics(self._dirs.place)  # the writer's: what ranks the steps for retention
@@ -253,7 +255,8 @@ class CheckpointManager:
         (name -> bytes, str, or an object for ``torch.save``) are written by the writer(s) alone, after the
         block. If any rank fails before the commit, no rank commits and every rank raises :class:`RankFailure`.
         With a writer per node, one writer's commit can fail after another's succeeded: every rank raises, and the
-        step stays on that other node only, where :meth:`latest` (the newest step on every node) does not count it.
+        step stays on that other node only, where :meth:`latest` (the newest step on every node) does not count it,
+        nor holds a resumed run's lower saves back there.
         Three exchanges in all, whatever the world size.
 
         With ``async_save``: the first exchange is :meth:`check` (after the writer waited for the previous
@@ -325,7 +328,7 @@ class CheckpointManager:
             floats = {k: float(v) for k, v in (metrics or {}).items()}  # a bad value on any rank fails every rank
             if where.writer:
                 left = self._dirs.clean_debris()
-                if (newest := self._dirs.newest(left - self._damaged)) is not None and step < newest:
+                if (newest := self._dirs.newest(left - self._passed_over)) is not None and step < newest:
                     raise ValueError(
                         f"checkpoint {step}: {self.root} holds step {newest} already: latest() and a resume would take "
                         f"step {newest}, and retention would delete step {step} first. Save a new run under a new "
@@ -392,7 +395,7 @@ class CheckpointManager:
             with naming_target(f"cannot commit step {tx.step}:", name_of(commit.final)):
                 commit.finalize(build_manifest(commit.tmp, tx.step, tx.entries, tx.metrics))
                 self._metrics.record(tx.step, tx.metrics)
-                self._damaged.discard(tx.step)  # saved again, whole: it holds lower saves back again
+                self._passed_over.discard(tx.step)  # saved again, whole: it holds lower saves back again
         except BaseException:
             commit.abort()
             raise
@@ -447,14 +450,18 @@ class CheckpointManager:
     def _retain(self, newest: int) -> None:
         """Delete what :attr:`retention` no longer keeps, now that ``newest`` is committed (writers only). When a
         step's metric cannot be read now, nothing is deleted until a later save can rank the steps: deleting on a
-        guess could take the best step."""
+        guess could take the best step. Steps passed over (damaged, or on this node only) are not ranked: with a
+        ``keep``, those below ``newest`` are deleted, as no load will take them."""
         metric = functools.partial(self._metrics.value, name=self.retention.best_metric)
         committed = self._dirs.committed()
+        ranked = [s for s in committed if s not in self._passed_over]
         try:
-            doomed = self.retention.doomed(committed, newest, self._loading, metric)
+            doomed = self.retention.doomed(ranked, newest, self._loading, metric)
         except OSError as e:
             warnings.warn(f"{remote.where(self.root)}: retention waits for a later save: {e}", stacklevel=2)
             return
+        if self.retention.keep is not None:
+            doomed += [s for s in committed if s in self._passed_over and s < newest and s not in self._loading]
         for step in doomed:
             try:
                 step_commit(self._dirs.place(step)).delete()  # no longer committed before its files go
@@ -462,6 +469,7 @@ class CheckpointManager:
                 e.add_note(f"step {newest} is committed; retention could not delete step {step} after it")
                 raise
             self._metrics.forget(step)
+            self._passed_over.discard(step)
 
     # -- loading --------------------------------------------------------------------------------------
 
@@ -470,7 +478,9 @@ class CheckpointManager:
         writer = self.placement.writer
         if writer:
             self.wait()  # the step in flight, and the retention after it, are done before listing
-        return committed_everywhere(self._dirs, writer, self.root, self.timeout)
+        listed = committed_everywhere(self._dirs, writer, self.root, self.timeout)
+        self._passed_over |= listed.here_only  # training resumes below them: on this node, they must not stop it
+        return listed.everywhere
 
     def latest(self) -> int | None:
         """The newest step committed on every node, the same on every rank; ``None`` when there is none."""
@@ -554,7 +564,7 @@ class CheckpointManager:
             if (error := bad(s)) is None:
                 return s
             warnings.warn(f"{error}; falling back to step {older}", RuntimeWarning, stacklevel=3)
-            self._damaged.add(s)
+            self._passed_over.add(s)
         if (error := bad(candidates[-1])) is not None:
             raise error
         return candidates[-1]

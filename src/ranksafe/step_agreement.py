@@ -5,6 +5,8 @@ is raised on every rank, or returned to every rank alike.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .collectives import exchange_outcome, share_outcome
 from .commit import Place, verify_step
 from .errors import CorruptCheckpoint, error_naming_target
@@ -12,9 +14,17 @@ from .sharded import verify_shares
 from .steps import StepDirs
 
 
-def committed_everywhere(dirs: StepDirs, writer: bool, root: str, timeout: float | None = None) -> list[int]:
-    """The steps committed on every writer's copy of ``dirs``, newest first, the same on every rank. A writer lists
-    its copy (``writer``); one that cannot (a file in the way, an I/O error) fails every rank. Collective."""
+@dataclass(frozen=True)
+class Committed:
+    """The steps of a root, as the writers listed them."""
+
+    everywhere: list[int]  # committed on every writer's copy, newest first: the same on every rank
+    here_only: set[int]  # committed on this rank's writer's copy and missing from another (another writer failed)
+
+
+def committed_everywhere(dirs: StepDirs, writer: bool, root: str, timeout: float | None = None) -> Committed:
+    """The steps committed on every writer's copy of ``dirs``. A writer lists its copy (``writer``); one that cannot (a
+    file in the way, an I/O error) fails every rank. Collective."""
     mine, error = None, None
     if writer:
         try:
@@ -22,7 +32,8 @@ def committed_everywhere(dirs: StepDirs, writer: bool, root: str, timeout: float
         except OSError as e:
             error = error_naming_target(e, "cannot list the checkpoints in", root)
     what = f"checkpoint {root}: steps"
-    return exchange_outcome("checkpoint: steps", mine, error, _newest_common, timeout, what=what)
+    everywhere = exchange_outcome("checkpoint: steps", mine, error, _newest_common, timeout, what=what)
+    return Committed(everywhere, set(mine or ()) - set(everywhere))
 
 
 def _newest_common(listed: list[list[int] | None]) -> list[int]:
