@@ -327,24 +327,29 @@ class CheckpointManager:
             refuse_sharded(writer_files, f"checkpoint {step}")  # every rank: the writers write theirs whole
             floats = {k: float(v) for k, v in (metrics or {}).items()}  # a bad value on any rank fails every rank
             if where.writer:
-                left = self._dirs.clean_debris()
-                if (newest := self._dirs.newest(left - self._passed_over)) is not None and step < newest:
-                    raise ValueError(
-                        f"checkpoint {step}: {self.root} holds step {newest} already: latest() and a resume would take "
-                        f"step {newest}, and retention would delete step {step} first. Save a new run under a new "
-                        "root, or remove the newer steps"
-                    )
-                if step == newest and isinstance(self._dirs.base, Remote):  # no rename: it would go before the new one
-                    raise ValueError(
-                        f"checkpoint {step}: step {step} is committed under {self.root} already, and remote storage "
-                        "cannot replace it in one move: a failed save would lose it. Save it under a new step number"
-                    )
-                commit.create()
+                self._create(commit, step)
         if apart := outcome.result:
             if where.writer:
                 commit.abort()
             raise ValueError(f"checkpoint {step}: the ranks sharing a writer have different roots ({'; '.join(apart)})")
         return commit, floats
+
+    def _create(self, commit: DirCommit, step: int) -> None:
+        """The writer's part of a save's first exchange: clear what crashed saves left, refuse a step the root's newest
+        step would shadow, or one whose committed copy a failed save would lose, then create the temporary place."""
+        left = self._dirs.clean_debris()
+        if (newest := self._dirs.newest(left - self._passed_over)) is not None and step < newest:
+            raise ValueError(
+                f"checkpoint {step}: {self.root} holds step {newest} already: latest() and a resume would take "
+                f"step {newest}, and retention would delete step {step} first. Save a new run under a new "
+                "root, or remove the newer steps"
+            )
+        if step == newest and isinstance(self._dirs.base, Remote):  # no rename: it would go before the new one
+            raise ValueError(
+                f"checkpoint {step}: step {step} is committed under {self.root} already, and remote storage "
+                "cannot replace it in one move: a failed save would lose it. Save it under a new step number"
+            )
+        commit.create()
 
     def _written(
         self,
