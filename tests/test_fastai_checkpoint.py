@@ -498,6 +498,32 @@ def test_a_learner_exported_with_ranksafe_and_loaded_by_fastai_keeps_checkpointi
     assert _committed(tmp_path / "ckpt") == [0, 1]
 
 
+class ExportAtLastEpoch(Callback):
+    order = 60
+
+    def after_epoch(self):
+        if self.epoch == self.n_epoch - 1:
+            self.learn.export("during_fit.pkl")
+
+
+def test_a_learner_exported_during_a_resumed_fit_trains_every_epoch_of_its_next_fit(tmp_path):
+    """Before: the export pickled the epoch skipper of the resumed fit, and its step boundary: the loaded Learner's
+    next fit skipped the epochs the resume had skipped (here every one), and counted each optimizer step twice."""
+    from fastai.learner import load_learner
+
+    _fit(_learner(tmp_path, 0, RankSafe(checkpoint_dir="ckpt", save_interval_steps=1000)), 2)
+    again = _learner(tmp_path, 1, RankSafe(checkpoint_dir="ckpt", save_interval_steps=1000))
+    assert _fit(again.resume(), 3, ExportAtLastEpoch()).trained == [2]
+    loaded = load_learner(tmp_path / "during_fit.pkl")
+    loaded.dls = tabular_dls(tmp_path)
+    watch = _fit(loaded, 2)
+    assert watch.trained == [0, 1]
+    (cb,) = [cb for cb in loaded.cbs if isinstance(cb, RankSafe)]
+    assert cb._steps.optimizer_steps == 2 * len(loaded.dls.train)  # one per step, counted once
+    assert _committed(tmp_path / "ckpt") == [2, 3, 4]  # numbered after the resumed fit's
+    assert [type(cb).__name__ for cb in again.cbs if type(cb).__name__ in ("SkipToEpoch", "StepBoundary")] == []
+
+
 class ScriptedLoss(Callback):
     """valid_loss replaced by scripted values (after the Recorder, before RankSafe and the trackers)."""
 

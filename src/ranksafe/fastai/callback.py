@@ -43,28 +43,13 @@ from .distributed import any_backend, prepare_distributed
 from .guards import guard, put_back, quiet_csv_loggers, quiet_trackers, refuse_remote_csv
 from .learner import stock_method
 from .mid_epoch import end_resumed_epoch
-from .steps import Fit, FitSteps
+from .steps import Fit, FitSteps, StepBoundary
 
 
 def _validating(learn: Learner) -> bool:
     """A ``validate``/``get_preds`` pass (which fires fit and epoch events too) is running: it holds ``Learner.lock``,
     a fit never does."""
     return learn.lock.locked()
-
-
-class _StepBoundary(Callback):
-    """The step boundary, after every callback's ``after_batch`` (RankSafe's own comes before the trackers' and
-    loggers'): a checkpoint there holds what each one did with the batch, and a fit stopped there ends after a
-    batch every callback saw whole."""
-
-    order = 1000
-
-    def __init__(self, owner: RankSafe) -> None:
-        self.owner = owner
-
-    def after_batch(self) -> None:
-        """At the boundary, :meth:`RankSafe._step_boundary`."""
-        self.owner._step_boundary()
 
 
 _TRANSIENT = {"_fit": None, "_steps": None, "_lock": None, "_exported_ranks": False}
@@ -230,7 +215,7 @@ class RankSafe(Callback):
         if self._steps is None:
             self._steps = FitSteps(self._open_manager)
         if self._scheduled and not self._preempted:
-            fit.boundary = _StepBoundary(self)
+            fit.boundary = StepBoundary(self)
             self.learn.add_cb(fit.boundary)
         # a resume that raised stays pending: the next fit tries it again rather than start afresh over its checkpoint
         self.resume_pending = self._steps.start(self.learn, fit, self._preempted, self.resume_pending)

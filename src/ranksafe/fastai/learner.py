@@ -35,6 +35,7 @@ from ..checkpoint_file import load_plain_pickle, save_file
 from ..collectives import together
 from ..errors import UntrustedCheckpoint
 from . import compat
+from .steps import fit_callbacks
 
 PathLike = str | os.PathLike
 
@@ -218,7 +219,9 @@ def load(learn: Learner, file: Any, device: Any = None, **kwargs: Any) -> Learne
 def export(
     learn: Learner, fname: PathLike = "export.pkl", pickle_module: Any = cloudpickle, pickle_protocol: int = 2
 ) -> Path:
-    """Export the Learner for inference (no data, no optimizer state), from rank 0, atomically; collective."""
+    """Export the Learner for inference (no data, no optimizer state), from rank 0, atomically; collective. Called
+    during a fit, the callbacks of that fit alone (a resume's epoch skipper) stay out: the exported Learner's next fit
+    starts at epoch 0."""
     target = remote.joinpath(learn.path, fname)
     with together("export", what=f"export {target}"):
         if topology.is_main():
@@ -226,7 +229,7 @@ def export(
             old_dls, state = learn.dls, (learn.opt.state_dict() if learn.opt is not None else None)
             learn.dls, learn.opt = learn.dls.new_empty(), None
             try:
-                with warnings.catch_warnings():
+                with warnings.catch_warnings(), learn.removed_cbs(fit_callbacks(learn)):
                     warnings.simplefilter("ignore")  # PyTorch's warning about unchecked module sources
                     pickling = {"pickle_module": pickle_module, "pickle_protocol": pickle_protocol}
                     save_file(learn, target, action="cannot export to", **pickling)

@@ -42,6 +42,27 @@ from .training_state import (
 )
 
 
+class StepBoundary(Callback):
+    """The step boundary, after every callback's ``after_batch`` (RankSafe's own comes before the trackers' and
+    loggers'): a checkpoint there holds what each one did with the batch, and a fit stopped there ends after a
+    batch every callback saw whole. One fit's: RankSafe adds it at the fit's start and takes it off at its end."""
+
+    order = 1000
+
+    def __init__(self, owner: Callback) -> None:
+        self.owner = owner
+
+    def after_batch(self) -> None:
+        """At the boundary, ``RankSafe._step_boundary``."""
+        self.owner._step_boundary()
+
+
+def fit_callbacks(learn: Learner) -> list[Callback]:
+    """The callbacks in ``learn.cbs`` that belong to the fit in progress: RankSafe's step boundary, and fastai's
+    ``SkipToEpoch`` (a resume's; fastai's own ``fit(start_epoch=)`` adds one for one fit too)."""
+    return [cb for cb in learn.cbs if isinstance(cb, (StepBoundary, SkipToEpoch))]
+
+
 @dataclass
 class Fit:
     """What RankSafe holds for the fit in progress: made at the fit's ``before_fit``, dropped when it is over."""
