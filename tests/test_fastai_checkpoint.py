@@ -17,8 +17,8 @@ pytest.importorskip("fastai")
 
 import torch
 from fastai.callback.fp16 import MixedPrecision
-from fastai.callback.tracker import EarlyStoppingCallback, SaveModelCallback
-from fastai.tabular.all import Callback, CancelBatchException, Learner, MSELossFlat
+from fastai.callback.tracker import EarlyStoppingCallback, SaveModelCallback, TrackerCallback
+from fastai.tabular.all import Callback, CancelBatchException, CancelTrainException, Learner, MSELossFlat
 from fastai.torch_core import set_seed
 from torch.amp import GradScaler, autocast
 
@@ -496,6 +496,35 @@ def test_a_learner_exported_with_ranksafe_and_loaded_by_fastai_keeps_checkpointi
     assert "fit" in loaded.__dict__  # RankSafe's fit, not fastai's
     _fit(loaded, 2)
     assert _committed(tmp_path / "ckpt") == [0, 1]
+
+
+class SkipsTrainingInEpoch1(Callback):
+    order = 52  # after the Recorder, before RankSafe
+
+    def before_train(self):
+        if self.epoch == 1:
+            raise CancelTrainException()
+
+
+class Tracker(TrackerCallback):
+    """Records the epochs it is called for (fastai's own trackers fail in an epoch that did not train: its record
+    has no training loss)."""
+
+    def before_fit(self):
+        super().before_fit()
+        self.seen = []
+
+    def after_epoch(self):
+        self.seen.append(self.epoch)
+
+
+def test_an_epoch_another_callback_kept_from_training_is_tracked_and_saved(tmp_path):
+    """Before: RankSafe took an epoch whose training an earlier callback cancelled for one a resume skips: the
+    trackers were kept quiet for it (fastai calls them) and no checkpoint was saved at its end."""
+    tracker = Tracker()
+    _fit(_learner(tmp_path, 0, RankSafe(checkpoint_dir="ckpt", keep=None)), 3, SkipsTrainingInEpoch1(), tracker)
+    assert tracker.seen == [0, 1, 2]
+    assert _committed(tmp_path / "ckpt") == [0, 1, 2]
 
 
 class ExportAtLastEpoch(Callback):

@@ -302,12 +302,13 @@ class RankSafe(Callback):
         write side is released first: an epoch cancelled in an earlier ``after_step`` skips our ``after_batch``.)"""
         fit = self._fit if self._fit is not None and not _validating(self.learn) else None
         checkpointing = fit is not None and fit.checkpointing
+        skipped = checkpointing and self.epoch < fit.skip_to  # by the resume, not by another callback
         self._release()
         end_resumed_epoch(self.learn)  # an epoch cancelled before its training pass
-        if checkpointing and not fit.trained and self.epoch != fit.tracked_epoch:
+        if skipped and self.epoch != fit.tracked_epoch:
             quiet_trackers(self.learn, fit.quiet, "after_epoch", bookkeeping=self.epoch < len(fit.history))
         self._agree_on_record()
-        if checkpointing and fit.trained and (self.epoch + 1) % self.every == 0:
+        if checkpointing and not skipped and (self.epoch + 1) % self.every == 0:
             self._steps.save(self.learn, fit, inside_epoch=False)
 
     def _agree_on_record(self) -> None:

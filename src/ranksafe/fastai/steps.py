@@ -77,7 +77,7 @@ class Fit:
     checkpointing: bool = False
     ordinal: int = 0  # which checkpointing fit of the process this is: a re-run script finds its place with it
     base: int = 0  # the step number of the fit's epoch 0
-    trained: bool = False  # this epoch trained (an epoch a resume skips saves nothing)
+    skip_to: int = 0  # the epochs before it are skipped (a resume's, or every one after a preemption): no saves
     holding: bool = False  # RankSafe's: the optimizer step holds the write side of the state lock
     # resuming: the epochs before the checkpoint are skipped
     skip: SkipToEpoch | None = None  # fastai's epoch skipper
@@ -171,14 +171,12 @@ class FitSteps:
         recorder = getattr(learn, "recorder", None)
         if recorder is not None and learn.epoch < len(fit.history):
             recorder.log = L(learn.epoch, *fit.history[learn.epoch])
-        fit.trained = False
         if self.manager is not None:
             self.manager.check()
 
     def start_training(self, learn: Learner, fit: Fit, keep_epoch_start: bool) -> None:
         """At ``before_train``: in the epoch a checkpoint was taken inside, go on from the batch after the saved one;
         in another, with ``keep_epoch_start`` (saves may come inside it), keep the generators of the epoch's start."""
-        fit.trained = True
         if fit.resumption is not None and fit.resumption.epoch == learn.epoch:
             at, fit.resumption = fit.resumption, None
             restore_epoch_start(learn, at)
@@ -222,5 +220,5 @@ class FitSteps:
 
 def skip_to(learn: Learner, fit: Fit, epoch: int) -> None:
     """Have fastai skip this fit's epochs before ``epoch`` (undone at the end of the fit)."""
-    fit.skip = SkipToEpoch(epoch)
+    fit.skip, fit.skip_to = SkipToEpoch(epoch), epoch
     learn.add_cb(fit.skip)
