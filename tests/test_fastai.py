@@ -11,6 +11,7 @@ import math
 import os
 import pickle
 import time
+import warnings
 
 import pytest
 
@@ -654,3 +655,32 @@ def test_a_ranksafe_made_inside_distrib_ctx_under_mp_spawn_refuses_to_train_each
         assert f"rank {rank}: fastai sees no distributed job" in v["error"]["msg"], v
         assert "then make RankSafe (or its Learner) before entering distrib_ctx" in v["error"]["msg"], v
         assert v["shards"] == [] and v["weights"] is None  # no epoch trained
+
+
+def _torchrun_fit(rank, root, inside_distrib_ctx):
+    """Launched as torchrun would (RANK in the environment): fastai needs no help to see the job."""
+    learn = _learner(root, True)
+    watch = Watch()
+    with warnings.catch_warnings(record=True) as caught, learn.no_bar(), learn.no_logging():
+        warnings.simplefilter("always")
+        if inside_distrib_ctx:
+            with learn.distrib_ctx(sync_bn=False):
+                learn.fit(1, 1e-2, cbs=[watch])
+        else:
+            learn.fit(1, 1e-2, cbs=[watch])
+    alone = [str(w.message) for w in caught if "each rank trains alone" in str(w.message)]
+    return {"alone": alone, "shards": watch.shards}
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_under_torchrun_a_fit_outside_distrib_ctx_warns_on_every_rank_that_each_trains_alone(tmp_path, inside):
+    """Before: stock fastai's behaviour, silently: no DDP, every rank trained its own model on all the data, while
+    RankSafe treated the ranks as one job (rank 0's weights saved, rank 0's record taken by every tracker)."""
+    values = run_ranks(_torchrun_fit, 2, args=(str(tmp_path), inside), launch_env=True, timeout=120).values
+    for rank, v in enumerate(values):
+        if inside:
+            assert v["alone"] == [] and v["shards"] == [("DistributedDataParallel", rank, 2)], v
+        else:
+            assert v["shards"] == [("Lin", None, None)], v  # what the warning says happened
+            (message,) = v["alone"]
+            assert message.startswith(f"rank {rank}: 2 ranks, but the model is not wrapped"), message

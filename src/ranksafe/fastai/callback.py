@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from collections.abc import Iterable
 from functools import partial
 from typing import Any
@@ -26,7 +27,6 @@ from fastai.callback.core import Callback
 from fastai.callback.progress import CSVLogger
 from fastai.callback.schedule import LRFinder
 from fastai.callback.tracker import TerminateOnNaNCallback
-from fastai.distributed import DistributedTrainer
 from fastai.learner import CancelFitException, Learner
 from fastcore.foundation import L
 
@@ -39,7 +39,7 @@ from ..retention import Retention
 from ..schedule import SaveSchedule
 from ..storage import Storage
 from . import learner
-from .distributed import any_backend, prepare_distributed
+from .distributed import any_backend, prepare_distributed, trains_as_one_job
 from .guards import guard, put_back, quiet_csv_loggers, quiet_trackers, refuse_remote_csv
 from .learner import stock_method
 from .mid_epoch import end_resumed_epoch
@@ -200,9 +200,12 @@ class RankSafe(Callback):
     def _refuse_training_alone(self) -> None:
         """Raise if this callback exported the ranks too late for fastai, which then trains each rank alone: under
         ``mp.spawn`` (no ``RANK``), ``distrib_ctx`` was entered before this callback or its Learner was made, and
-        added no ``DistributedTrainer``. Every rank lacked ``RANK``, so every rank raises."""
+        added no ``DistributedTrainer``. Every rank lacked ``RANK``, so every rank raises. Warn where the launcher
+        gave the ranks (torchrun) but no ``distrib_ctx`` was entered, as stock fastai trains each rank alone then."""
         late, self._exported_ranks = self._exported_ranks, False
-        if late and not any(isinstance(cb, DistributedTrainer) for cb in self.learn.cbs):
+        if trains_as_one_job(self.learn):
+            return
+        if late:
             raise RuntimeError(
                 f"rank {topology.rank()}: fastai sees no distributed job: RANK and WORLD_SIZE were not in the "
                 "environment when learn.distrib_ctx() was entered (or it was not), so the model is not wrapped in "
@@ -210,6 +213,12 @@ class RankSafe(Callback):
                 "RankSafe (or its Learner) before entering distrib_ctx, or call ranksafe.fastai.prepare_distributed() "
                 "right after init_process_group."
             )
+        warnings.warn(
+            f"rank {topology.rank()}: {topology.world_size()} ranks, but the model is not wrapped in "
+            "DistributedDataParallel: each rank trains alone, on all the data. Fit inside learn.distrib_ctx()",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def _start_checkpointing(self, fit: Fit) -> None:
         if self._steps is None:

@@ -11,6 +11,7 @@ changing fastai's class.
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from collections.abc import Iterable
 from typing import Any
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 from fastai.callback.core import Callback
 from fastai.distributed import DistributedDL, DistributedTrainer
+from torch.nn.parallel import DistributedDataParallel
 
 from .. import topology
 from . import compat
@@ -58,6 +60,16 @@ def prepare_distributed() -> bool:
     if _multi_rank() and dist.get_backend() == "gloo" and not torch.cuda.is_available():
         os.environ.setdefault("ACCELERATE_USE_CPU", "1")
     return written
+
+
+def trains_as_one_job(learn: Any) -> bool:
+    """Whether the ranks train one model: fastai's ``DistributedTrainer`` is on (``distrib_ctx``), or the model is
+    wrapped in ``DistributedDataParallel`` or FSDP by hand. (FSDP is looked for only once its module is imported.)"""
+    if any(isinstance(cb, DistributedTrainer) for cb in learn.cbs):
+        return True
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    kinds = (DistributedDataParallel, *((fsdp.FSDPModule, fsdp.FullyShardedDataParallel) if fsdp else ()))
+    return any(isinstance(module, kinds) for module in learn.model.modules())
 
 
 def _broadcast(t: list, rank: int) -> list:
