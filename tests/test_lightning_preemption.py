@@ -112,16 +112,25 @@ class SignalAt(pl.Callback):
             os.kill(os.getpid(), self.sig)
 
 
-def _fit(rank_safe: RankSafe, signal_at: int | None = None, sig: signal.Signals = signal.SIGUSR1, **trainer_args):
-    """One fit of 2 epochs with an EarlyStopping and a ModelCheckpoint (RankSafe saves after them); returns the trainer,
-    the model and the steps saved."""
+def _fit(
+    rank_safe: RankSafe,
+    signal_at: int | None = None,
+    sig: signal.Signals = signal.SIGUSR1,
+    every_n_train_steps: int | None = None,
+    **trainer_args,
+):
+    """One fit of 2 epochs with an EarlyStopping and a ModelCheckpoint that keeps the best and the last file
+    (RankSafe saves after them); returns the trainer, the model and the steps saved."""
     torch.manual_seed(0)
     saved: list[int] = []
     save = rank_safe.manager.save
     rank_safe.manager.save = lambda step, *a, **kw: saved.append(step) or save(step, *a, **kw)
     # EarlyStopping checks at each epoch's end: after a stop whose epoch was not validated, with no val_loss yet, its
     # check would raise (strict=True)
-    monitors = [EarlyStopping(monitor="val_loss", patience=3), ModelCheckpoint(monitor="val_loss", save_top_k=1)]
+    checkpoints = ModelCheckpoint(
+        monitor="val_loss", save_top_k=1, save_last=True, every_n_train_steps=every_n_train_steps
+    )
+    monitors = [EarlyStopping(monitor="val_loss", patience=3), checkpoints]
     callbacks = [SignalAt(signal_at, sig), rank_safe, *monitors]
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_progress_bar=False,
@@ -166,9 +175,13 @@ def test_one_process_a_signal_saves_the_next_step_stops_and_the_next_fit_resumes
 
 
 def test_a_loop_that_min_steps_keeps_going_saves_the_preemption_step_once(tmp_path):
+    """And no ModelCheckpoint file after it. Before, the steps Lightning trains on to reach ``min_steps`` saved theirs
+    (``every_n_train_steps``), which the resumed run never tracks: it wrote its own beside them."""
     rank_safe = RankSafe(checkpoint_dir=tmp_path / "ckpt", keep=None, preemption=True)
-    trainer, _, saved = _fit(rank_safe, signal_at=1, min_steps=6)
+    trainer, _, saved = _fit(rank_safe, signal_at=1, min_steps=6, every_n_train_steps=2)
     assert saved == [2] and trainer.global_step == 6  # Lightning trains on to min_steps, then takes the stop request
+    # it saves from the first step after a validation (step 6, where the stock run saves too): none before the stop
+    assert os.listdir(tmp_path / "ckpt-lightning" / "checkpoints") == []
 
 
 def _slurm(monkeypatch, out: Path) -> None:

@@ -125,7 +125,8 @@ def test_everything_pickles_during_fit_and_after_it_no_ranksafe_attribute_is_lef
         ["connector.resume_start", "strategy.load_checkpoint", "strategy.optimizer_step"]
         + ["ModelCheckpoint._link_checkpoint", "ModelCheckpoint.on_train_batch_end"]
         + ["ModelCheckpoint.on_train_epoch_end", "ModelCheckpoint.on_validation_end"]  # skipped after a stop
-        + ["EarlyStopping.on_train_epoch_end", "EarlyStopping.on_validation_end"]  # the same
+        + ["ModelCheckpoint.on_train_end"]  # the same
+        + ["EarlyStopping.on_train_batch_end", "EarlyStopping.on_train_epoch_end", "EarlyStopping.on_validation_end"]
         + ["signals.register_signal_handlers", f"epoch_loop.{compat.VALIDATION_DUE}"]
         + (["ModelCheckpoint.file_exists"] if async_io else [])
     )  # installed while the probe pickled them

@@ -215,10 +215,12 @@ class RankSafe(SharedCheckpointIO, Callback):
             wrap(compat.epoch_loop(trainer), compat.VALIDATION_DUE, validation_due)
             monitors = _monitors(trainer)
             for cb in monitors:
-                if isinstance(cb, (ModelCheckpoint, EarlyStopping)):
-                    wrap(cb, "on_validation_end", self._unless_stopped)
-                    if not (self._after_monitors and cb is monitors[-1]):  # else _then_end_epoch skips it
-                        wrap(cb, "on_train_epoch_end", self._unless_stopped)
+                last = self._after_monitors and cb is monitors[-1]  # its batch and epoch ends skip themselves
+                hooks = ["on_validation_end", *(() if last else ("on_train_batch_end", "on_train_epoch_end"))]
+                if isinstance(cb, ModelCheckpoint):
+                    hooks.append("on_train_end")  # saves the last file
+                for hook in hooks:
+                    wrap(cb, hook, self._unless_stopped)
         elif SlurmRequeue.of(trainer) is not None and with_other_ranks() and topology.is_main():
             warnings.warn(UNAGREED_REQUEUE, stacklevel=3)
 
@@ -350,8 +352,9 @@ class RankSafe(SharedCheckpointIO, Callback):
 
     # -- what the hooks of the last monitoring callback run, and the fit with preemption --------------------
     def _then_end_step(self, original: Callable[..., Any], trainer: pl.Trainer, *args: Any) -> None:
-        """The last monitoring callback's ``on_train_batch_end``, then the end of this optimizer step."""
-        original(trainer, *args)
+        """The last monitoring callback's ``on_train_batch_end`` (none after a preemption stop, as
+        :meth:`_unless_stopped` says), then the end of this optimizer step."""
+        self._unless_stopped(original, trainer, *args)
         self._end_step(trainer)
 
     def _then_end_epoch(self, original: Callable[..., Any], trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -361,10 +364,12 @@ class RankSafe(SharedCheckpointIO, Callback):
         self._end_epoch(trainer)
 
     def _unless_stopped(self, original: Callable[..., Any], trainer: pl.Trainer, *args: Any) -> None:
-        """A monitoring callback's epoch-end or validation-end hook, skipped once a preemption stop is saved: it would
-        act after the commit, whose state the next run resumes from. A ModelCheckpoint save or removal then left a
-        file that run never tracks, or removed the best file that state names. EarlyStopping would read the metric of
-        a validation that no longer runs (:meth:`_scheduled_validation`): with ``strict``, a missing one raises."""
+        """A monitoring callback's hook (a batch's, an epoch's or a validation's end, the end of training), skipped once
+        a preemption stop is saved: it would act after the commit, whose state the next run resumes from. A
+        ModelCheckpoint save or removal then left a file that run never tracks (a last file saying the cut epoch was
+        done, the steps Lightning trains on to reach ``min_steps``), or removed the best file that state names.
+        EarlyStopping would read the metric of a validation that no longer runs (:meth:`_scheduled_validation`): with
+        ``strict``, a missing one raises."""
         if not (self.steps is not None and self.steps.stopped):
             original(trainer, *args)
 
