@@ -131,11 +131,12 @@ def test_a_save_on_exception_of_a_rank_that_failed_alone_ends_every_rank_before_
     """ModelCheckpoint(save_on_exception=True) saves from the failing rank's exception handler, then waits in a barrier
     for ranks still held in DDP's allreduce, which only that rank's exit ends: stock Lightning hangs there until the
     process group's timeout (30 minutes by default; 18 s here). Before, ranksafe removed its wrappers before that save,
-    and hung the same way; now the save waits at most EXCEPTION_SAVE_WAIT (the timeout, when shorter: 5 s here)."""
+    and hung the same way; now the save waits at most EXCEPTION_SAVE_WAIT (5 s here), also where RANKSAFE_TIMEOUT is
+    longer (60 s here). Before, the read of the monitored value that comes first waited RANKSAFE_TIMEOUT."""
     flags = ("--epochs", "3", "--fail-step", "3", "--save-on-exception", "--pg-timeout", "18")
     runs = {
         "stock": start(tmp_path / "stock", "--stock", *flags),
-        "ours": start(tmp_path / "ours", *flags, ranksafe_timeout=5),
+        "ours": start(tmp_path / "ours", *flags, "--exception-save-wait", "5", ranksafe_timeout=60),
     }
     runs = {name: finish(run) for name, run in runs.items()}
     ended = {}

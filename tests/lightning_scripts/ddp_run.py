@@ -29,6 +29,7 @@ parser.add_argument("--resume", action="store_true")
 parser.add_argument("--fail-step", type=int, default=0, help="rank 1's training step of this global step raises")
 parser.add_argument("--save-on-exception", action="store_true", help="ModelCheckpoint(save_on_exception=True)")
 parser.add_argument("--pg-timeout", type=float, default=0, help="seconds; 0: strategy='ddp' with its defaults")
+parser.add_argument("--exception-save-wait", type=float, default=0, help="seconds; 0: ranksafe's EXCEPTION_SAVE_WAIT")
 args = parser.parse_args()
 
 import lightning.pytorch as pl  # noqa: E402
@@ -38,9 +39,11 @@ from lightning.pytorch.plugins import TorchCheckpointIO  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 
 import ranksafe.files  # noqa: E402
-from ranksafe.lightning import RankSafe, RankSafeCheckpointIO, compat  # noqa: E402
+from ranksafe.lightning import RankSafe, RankSafeCheckpointIO, compat, shared_io  # noqa: E402
 
 CKPT_DIR = os.path.join(args.out, "ckpts")
+if args.exception_save_wait:  # a test's shorter wait, so that the run need not outlast ranksafe's
+    shared_io.EXCEPTION_SAVE_WAIT = args.exception_save_wait
 
 
 def record(name: str, **values) -> None:

@@ -249,9 +249,9 @@ class RankSafe(SharedCheckpointIO, Callback):
                 if self._io is not None:
                     wrap(cb, "file_exists", self._file_exists)
                 if shared and monitor:
-                    wrap(cb, compat.MONITOR_CANDIDATES, functools.partial(self.monitors.candidates, monitor))
+                    wrap(cb, compat.MONITOR_CANDIDATES, functools.partial(self._agreed_candidates, monitor))
             elif isinstance(cb, EarlyStopping) and shared:
-                wrap(cb, compat.STOPPING_CRITERIA, functools.partial(self.monitors.criteria, monitor))
+                wrap(cb, compat.STOPPING_CRITERIA, functools.partial(self._agreed_criteria, monitor))
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Write a probe into every ModelCheckpoint directory (resolved in their ``setup``): a directory, bucket or

@@ -65,14 +65,15 @@ class MonitorAgreement:
         self.op = MonitorOp(op)
         self._warned: set[str] = set()
 
-    def agree(self, name: str, value: Any) -> Any:
+    def agree(self, name: str, value: Any, timeout: float | None = None) -> Any:
         """Every rank's ``value`` of metric ``name`` reduced to one; the input's type, dtype and device kept.
 
         ``value`` may be None on ranks that did not log the metric: they receive the agreed value of the
-        others (and a warning), instead of skipping a collective the others enter.
+        others (and a warning), instead of skipping a collective the others enter. ``timeout``: how long to wait for
+        the other ranks (None: the default, ``RANKSAFE_TIMEOUT``).
         """
         mine = _number(value)
-        gathered = all_gather(mine, name=f"monitor {name}")
+        gathered = all_gather(mine, name=f"monitor {name}", timeout=timeout)
         present = [v for v in gathered if v is not None]
         if not present:
             return value
@@ -94,17 +95,21 @@ class MonitorAgreement:
             return torch.tensor(agreed, dtype=value.dtype, device=value.device)
         return torch.tensor(agreed) if value is None else type(value)(agreed)
 
-    def candidates(self, monitor: str, read: Callable[[Any], dict[str, Any]], trainer: Any) -> dict[str, Any]:
+    def candidates(
+        self, monitor: str, read: Callable[[Any], dict[str, Any]], trainer: Any, timeout: float | None = None
+    ) -> dict[str, Any]:
         """The metrics ``read(trainer)`` returns, with the ``monitor`` entry agreed (for ModelCheckpoint's read)."""
         candidates = read(trainer)
-        value = self.agree(monitor, candidates.get(monitor))
+        value = self.agree(monitor, candidates.get(monitor), timeout)
         if value is not None:
             candidates[monitor] = value
         return candidates
 
-    def criteria(self, monitor: str, evaluate: Callable[[torch.Tensor], Any], current: torch.Tensor) -> Any:
+    def criteria(
+        self, monitor: str, evaluate: Callable[[torch.Tensor], Any], current: torch.Tensor, timeout: float | None = None
+    ) -> Any:
         """``evaluate`` of the agreed ``current`` (for EarlyStopping's stopping criteria)."""
-        return evaluate(self.agree(monitor, current))
+        return evaluate(self.agree(monitor, current, timeout))
 
 
 def _show(values: list[float | None]) -> str:

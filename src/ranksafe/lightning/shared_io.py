@@ -25,6 +25,7 @@ from ..files import atomic_link
 from ..lock import StateDictLock
 from ..saving import prepare_dir
 from .io import RankSafeCheckpointIO
+from .monitor import MonitorAgreement
 from .steps import TrainerSteps
 
 EXCEPTION_SAVE_WAIT = 30.0
@@ -67,14 +68,26 @@ class SharedCheckpointIO:
     _io: RankSafeCheckpointIO | None  # the async plugin of the current run, if any
     _failed: bool  # Lightning is handling an exception of this stage: its saves wait less for the others
     manager: CheckpointManager | None
+    monitors: MonitorAgreement
     latest_checkpoint: Callable[[], str | None]
 
+    def _wait(self) -> float | None:
+        """How long a collective of RankSafe waits for the other ranks: less while an exception is handled
+        (:data:`EXCEPTION_SAVE_WAIT`), where a rank that failed alone would wait for ranks that never come."""
+        return min(self.timeout or default_timeout(), EXCEPTION_SAVE_WAIT) if self._failed else self.timeout
+
     def _together(self, name: str, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """The strategy's save or remove with its outcome shared by every rank (waiting less while an exception is
-        handled: :data:`EXCEPTION_SAVE_WAIT`)."""
-        timeout = min(self.timeout or default_timeout(), EXCEPTION_SAVE_WAIT) if self._failed else self.timeout
-        with together(name, timeout):
+        """The strategy's save or remove with its outcome shared by every rank."""
+        with together(name, self._wait()):
             return original(*args, **kwargs)
+
+    def _agreed_candidates(self, monitor: str, read: Callable[..., Any], trainer: pl.Trainer) -> dict[str, Any]:
+        """ModelCheckpoint's read of the metrics, with the monitored one agreed by every rank."""
+        return self.monitors.candidates(monitor, read, trainer, self._wait())
+
+    def _agreed_criteria(self, monitor: str, evaluate: Callable[..., Any], current: Any) -> Any:
+        """EarlyStopping's stopping criteria, of the monitored value agreed by every rank."""
+        return self.monitors.criteria(monitor, evaluate, current, self._wait())
 
     def _load(
         self, trainer: pl.Trainer, original: Callable[..., Any], checkpoint_path: Any, weights_only: bool | None = None
