@@ -214,7 +214,7 @@ class RankSafe(SharedCheckpointIO, Callback):
             validation_due = functools.partial(self._scheduled_validation, trainer)
             wrap(compat.epoch_loop(trainer), compat.VALIDATION_DUE, validation_due)
             monitors = _monitors(trainer)
-            for cb in monitors:
+            for cb in (cb for cb in monitors if isinstance(cb, (ModelCheckpoint, EarlyStopping))):
                 last = self._after_monitors and cb is monitors[-1]  # its batch and epoch ends skip themselves
                 hooks = ["on_validation_end", *(() if last else ("on_train_batch_end", "on_train_epoch_end"))]
                 if isinstance(cb, ModelCheckpoint):
