@@ -125,6 +125,12 @@ class Remote:
             import fsspec
         except ImportError as e:  # pragma: no cover - fsspec is a dependency
             raise ValueError(f"{where(url)}: remote storage needs fsspec (pip install fsspec)") from e
+        if scheme not in ("http", "https") and (magic := sorted(set(url) & set("*?[]"))):
+            raise ValueError(
+                f"{where(url)}: {' '.join(magic)} in a URL of remote storage: fsspec takes them for a pattern when it "
+                "removes or moves, which would reach other objects (and s3fs drops a '?' query, such as a "
+                "versionId, writing the object without it). Name it without them"
+            )
         try:
             fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
         except (ImportError, ValueError) as e:  # no implementation for the scheme, or one that is not installed
