@@ -195,9 +195,20 @@ class Remote:
         return sorted(e[len(base) :] for e in inside if e.startswith(base) and "/" not in e[len(base) :])
 
     def remove(self) -> None:
-        """Remove the object, or everything below this URL; nothing there is no error."""
-        with contextlib.suppress(FileNotFoundError):
-            self.fs.rm(self.path, recursive=True)
+        """Remove the object, or every object below this URL; nothing there is no error. One object at a time: a
+        recursive ``fs.rm`` of a bucket's URL removes the bucket itself (s3fs: with every version of every object)."""
+        try:
+            found = self.fs.find(self.path, withdirs=True, detail=True)
+        except FileNotFoundError:
+            return
+        for path, info in found.items():
+            if info["type"] != "directory":
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.rm_file(path)
+        if not _protocols(self.fs) & _COMMIT_ON_COMPLETION:  # a store with folders (fsspec's memory store)
+            for path in sorted((p for p, i in found.items() if i["type"] == "directory"), key=len, reverse=True):
+                with contextlib.suppress(OSError):
+                    self.fs.rmdir(path)
 
 
 # Object stores whose files, opened with fsspec's ``autocommit=False``, publish only at ``commit()``: an upload
