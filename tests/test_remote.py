@@ -121,6 +121,60 @@ def test_s3_object_is_committed_whole_or_not_at_all(s3):
     assert uploads == [], "a failed upload is aborted, not left behind"
 
 
+def test_a_url_fsspec_would_take_for_a_pattern_is_refused_before_anything_is_removed(s3):
+    """Before: a manager on s3://ckpt/exp[1] with keep=2 deleted every step of the run under s3://ckpt/exp1 (fsspec's
+    recursive rm expands [1] as a pattern) and none of its own; a save to s3://ckpt/model.pt?versionId=v1 returned that
+    URL and overwrote s3://ckpt/model.pt (s3fs drops the query)."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem()
+    other = ranksafe.CheckpointManager("s3://ckpt/exp1", keep=None)
+    other.save(1, _state(1))
+    for url in ("s3://ckpt/exp[1]", "s3://ckpt/exp?", "s3://ckpt/exp*"):
+        with pytest.raises(
+            ValueError, match=f"{url.replace('[', '.').replace('?', '.').replace('*', '.')} \\(rank 0\\): "
+        ):
+            ranksafe.CheckpointManager(url, keep=2)
+    with pytest.raises(ValueError, match="versionId"):
+        ranksafe.save({"w": torch.ones(1)}, "s3://ckpt/exp1/model.pt?versionId=v1")
+    assert other.latest() == 1 and fs.find("ckpt/exp1") == [
+        "ckpt/exp1/step_00000001/MANIFEST.json",
+        "ckpt/exp1/step_00000001/state.pt",
+    ]
+    ranksafe.remote.Remote.of("http://127.0.0.1:9/model.pt?signature=x")  # a query is part of an http URL
+    fs.rm("ckpt/exp[1]", recursive=True)  # the control: what a removal of that prefix does
+    assert fs.find("ckpt/exp1") == []
+
+
+def test_prepare_dir_on_a_bucket_removes_its_objects_and_keeps_the_bucket(s3):
+    """Before: s3fs's recursive rm of the bucket's URL deleted the bucket itself, with every version of its objects,
+    and made a new one: its settings (versioning here) were gone."""
+    import s3fs
+
+    from tests.s3 import make_bucket
+
+    make_bucket("whole")
+    fs = s3fs.S3FileSystem()
+    fs.call_s3("put_bucket_versioning", Bucket="whole", VersioningConfiguration={"Status": "Enabled"})
+    ranksafe.save({"w": torch.ones(1)}, "s3://whole/a/model.pt")
+    ranksafe.prepare_dir("s3://whole", overwrite=True)
+    fs.invalidate_cache()
+    assert fs.find("whole") == []
+    assert fs.call_s3("get_bucket_versioning", Bucket="whole").get("Status") == "Enabled"  # the same bucket
+    fs.pipe("whole/x", b"1")
+    fs.rm("whole", recursive=True)  # the control
+    fs.invalidate_cache()
+    assert not fs.exists("whole")
+
+
+def test_a_save_onto_a_prefix_that_holds_objects_is_refused_on_s3_too(s3):
+    """Before: on S3 the object was written beside the prefix, and ``ranksafe verify`` of the URL then reported that
+    file, hiding the checkpoints below it; memory:// and local folders raised."""
+    ranksafe.CheckpointManager("s3://ckpt/held", keep=None).save(1, _state(1))
+    with pytest.raises(IsADirectoryError, match=r"cannot save s3://ckpt/held \(rank 0\)"):
+        ranksafe.save({"w": torch.ones(1)}, "s3://ckpt/held")
+
+
 def _s3_ranks(rank, url, missing):
     ranksafe.save({"w": torch.full((3,), 7.0)}, url)
     out = {"loaded": ranksafe.load(url)["w"].tolist()}

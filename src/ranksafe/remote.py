@@ -227,12 +227,13 @@ def commit_object(target: Remote) -> Iterator[IO[bytes]]:
     An exception in the block discards what was written; the previous object, if any, stays.
     """
     fs = target.fs
+    target._forget()
+    if fs.isdir(target.path):  # an object store would write one beside them, a move put the temporary inside
+        raise IsADirectoryError(errno.EISDIR, "Is a directory (objects are below it)", target.url)
     if _protocols(fs) & _COMMIT_ON_COMPLETION:
         staged = None
         f = fs.open(target.path, "wb", autocommit=False)
     else:  # a file system that publishes as it writes: a temporary object, moved into place
-        if fs.isdir(target.path):  # a move would put the temporary inside, and leave nothing at the URL
-            raise IsADirectoryError(errno.EISDIR, "Is a directory (objects are below it)", target.url)
         parent = target.path.rsplit("/", 1)[0]
         fs.makedirs(parent, exist_ok=True)
         staged = f"{parent}/.{target.name}.{secrets.token_hex(4)}{TMP_SUFFIX}"
