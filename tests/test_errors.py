@@ -146,3 +146,21 @@ def test_an_error_that_is_no_oserror_keeps_its_type_and_every_rank_reads_which_f
     assert e.value.__notes__ == [f"cannot save {target} (rank 0)"]
     shared = ranksafe.errors.rank_failure("save", [ranksafe.errors.Failure.from_exception(0, e.value)])
     assert isinstance(shared, TypeError) and f"(cannot save {target} (rank 0))" in str(shared)
+
+
+class _ConnectorError(OSError):
+    """Made as aiohttp's ClientConnectorError is (under gcsfs and adlfs): from a key and the OSError it wraps."""
+
+    def __init__(self, key: str, os_error: OSError) -> None:
+        super().__init__(os_error.errno, os_error.strerror)
+        self.key = key
+
+
+def test_an_os_error_made_otherwise_is_still_named_with_its_target_and_rank():
+    """Before: rebuilding it as ``type(e)(errno, message)`` raised AttributeError ("'str' object has no attribute
+    'errno'") from inside its constructor, and the error of an unreachable host was lost."""
+    e = _ConnectorError("host:9", ConnectionRefusedError(errno.ECONNREFUSED, "Connect call failed"))
+    named = ranksafe.errors.error_naming_target(e, "cannot load", "gs://bucket/model.pt")
+    assert isinstance(named, ConnectionRefusedError) and named.errno == errno.ECONNREFUSED
+    assert str(named) == "[Errno 111] cannot load gs://bucket/model.pt (rank 0): Connect call failed"
+    assert named.path == "gs://bucket/model.pt"

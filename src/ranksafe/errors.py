@@ -22,7 +22,10 @@ def error_naming_target(e: OSError, action: str, path: str | os.PathLike) -> OSE
     """The same kind of OSError, with a message that names the target (not a temporary) and the rank, and the
     target as its ``path`` (which :class:`RankFailure` carries to every rank)."""
     msg = f"{action} {remote.where(path)}: {e.strerror or e}"
-    error = type(e)(e.errno, msg) if e.errno is not None else type(e)(msg)
+    try:
+        error = type(e)(e.errno, msg) if e.errno is not None else type(e)(msg)
+    except Exception:  # a subclass that is made otherwise (aiohttp's connection errors, under gcsfs and adlfs)
+        error = OSError(e.errno, msg) if e.errno is not None else OSError(msg)
     error.path = os.fspath(path)
     return error
 
