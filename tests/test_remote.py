@@ -175,6 +175,18 @@ def test_a_save_onto_a_prefix_that_holds_objects_is_refused_on_s3_too(s3):
         ranksafe.save({"w": torch.ones(1)}, "s3://ckpt/held")
 
 
+def test_a_bucket_that_does_not_exist_is_an_error_not_a_root_without_checkpoints(s3):
+    """Before: latest() was None on s3://ckpt-typo/run, so a resume started the run afresh (failing only at its first
+    save), and ``ranksafe ls`` reported "(no step directories)" with exit status 0."""
+    for call in (
+        ranksafe.CheckpointManager("s3://ckpt-typo/run").latest,
+        lambda: ranksafe.list_steps("s3://ckpt-typo/run"),
+    ):
+        with pytest.raises(FileNotFoundError, match=r"no such bucket: ckpt-typo"):
+            call()
+    assert ranksafe.CheckpointManager("s3://ckpt/fresh").latest() is None  # an empty prefix of a bucket that exists
+
+
 def _s3_ranks(rank, url, missing):
     ranksafe.save({"w": torch.full((3,), 7.0)}, url)
     out = {"loaded": ranksafe.load(url)["w"].tolist()}
@@ -303,8 +315,9 @@ def test_manager_on_s3_on_two_ranks(s3):
         assert "cannot write checkpoints to s3://no-such-bucket/run (rank 0)" in out["warmup"]
         assert out["latest"] == 3 and out["loaded"] == 3
         assert out["files"] == ["rank-0.pt", "rank-1.pt", "state.pt"]
-        assert out["failed put"].startswith("RankFailure[FileNotFoundError]: checkpoint 1: commit failed on rank 0")
-        assert "cannot save step 1: s3://ckpt-gone/run/step_00000001/state.pt (rank 0)" in out["failed put"]
+        # found missing by the writer's listing, before anything is written (before: at the upload of state.pt)
+        assert out["failed put"].startswith("RankFailure[FileNotFoundError]: checkpoint 1: create failed on rank 0")
+        assert "no such bucket: ckpt-gone: 's3://ckpt-gone/run'" in out["failed put"]
         assert "memory://per-process (rank 1) does not see what rank 0 wrote" in out["memory"]
         assert out["memory left"] == []
     assert [s.step for s in ranksafe.list_steps("s3://ckpt/two")] == [2, 3]

@@ -185,14 +185,32 @@ class Remote:
             raise IsADirectoryError(errno.EISDIR, "a directory, not a checkpoint file", self.url) from None
 
     def names(self) -> list[str]:
-        """The names directly below this URL (none when there is nothing there)."""
+        """The names directly below this URL (none when there is nothing there). On an object store whose bucket does
+        not exist, ``FileNotFoundError`` naming the URL: read as "no checkpoints yet", a misspelt bucket would start a
+        run afresh, and fail only at its first save."""
         try:
             entries = self.fs.ls(self.path, detail=False, refresh=True)
         except (FileNotFoundError, NotADirectoryError):
+            entries = []
+        if not entries:
+            self._require_bucket()
             return []
         base = self.path.rstrip("/") + "/"
         inside = (e.rstrip("/") for e in entries)
         return sorted(e[len(base) :] for e in inside if e.startswith(base) and "/" not in e[len(base) :])
+
+    def _require_bucket(self) -> None:
+        """Raise ``FileNotFoundError`` if the store says this URL's bucket does not exist. One that may not be looked
+        at (a role allowed its prefix only) passes: the listing stands."""
+        if not _protocols(self.fs) & _COMMIT_ON_COMPLETION:  # no buckets (fsspec's memory store)
+            return
+        bucket = self.path.split("/", 1)[0]
+        try:
+            self.fs.info(bucket)
+        except FileNotFoundError:
+            raise FileNotFoundError(errno.ENOENT, f"no such bucket: {bucket}", self.url) from None
+        except OSError:
+            pass
 
     def remove(self) -> None:
         """Remove the object, or every object below this URL; nothing there is no error. One object at a time: a
