@@ -732,6 +732,36 @@ def test_a_failure_of_a_saver_dropped_unchecked_is_printed_once(tmp_path):
     assert out.stderr.count("a background checkpoint write failed: NotADirectoryError") == 1, out.stderr
 
 
+_SIGNAL_IN_WARMUP = """
+import faulthandler, os, signal, torch
+from ranksafe.async_save import AsyncSaver
+faulthandler.dump_traceback_later(30, exit=True)  # a hang prints where, and fails the test
+saver = AsyncSaver()
+
+def on_usr1(signum, frame):  # Lightning's SLURM requeue handler saves a checkpoint from the handler
+    saver.save({{"w": torch.ones(4)}}, os.path.join({tmp!r}, "emergency.pt"))
+    print("handler saved", os.path.exists(os.path.join({tmp!r}, "emergency.pt")))
+
+class SignalArrives:  # the signal lands while warmup copies the state
+    def __deepcopy__(self, memo):
+        os.kill(os.getpid(), signal.SIGUSR1)
+        return SignalArrives()
+
+signal.signal(signal.SIGUSR1, on_usr1)
+saver.warmup({{"w": torch.ones(4), "x": SignalArrives()}}, {tmp!r})
+print("warmed up")
+saver.close()
+"""
+
+
+def test_a_save_from_a_signal_handler_during_warmup_writes_at_once_instead_of_deadlocking(tmp_path):
+    """Before: warmup held the saver's submit lock without saying which thread did, and the handler's save waited for
+    it forever."""
+    out = _script(_SIGNAL_IN_WARMUP.format(tmp=str(tmp_path)))
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert "handler saved True" in out.stdout and "warmed up" in out.stdout, out.stdout
+
+
 def _close_against_check(rank, root):
     saver = AsyncSaver()
     if rank == 0:  # rank 0 has a failure to report

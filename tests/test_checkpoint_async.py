@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import threading
+import time
 import types
 
 import pytest
@@ -239,3 +240,24 @@ def test_a_state_that_cannot_be_snapshotted_leaves_no_step_behind(tmp_path):
     if hasattr(e.value, "add_note"):  # Python 3.11+: the error names the step and the root
         assert e.value.__notes__ == [f"the snapshot for step 1 of {tmp_path} (rank 0)"]
     manager.close()
+
+
+class _SlowToPickle:
+    """Holds a background commit open for a second: torch.save pickles it before it writes the tensors' bytes."""
+
+    def __deepcopy__(self, memo):
+        return _SlowToPickle()
+
+    def __reduce__(self):
+        time.sleep(1.0)
+        return (_SlowToPickle, ())
+
+
+def test_warmup_while_a_commit_is_in_flight_waits_for_it_instead_of_overwriting_its_snapshot(tmp_path):
+    """Before: warmup(example_state) copied the example into the staging buffers that the commit in flight was still
+    writing from: step 1 held the example's 7.0, not the 1.0 it was saved with."""
+    mgr = CheckpointManager(tmp_path, async_save=True)
+    mgr.save(1, {"slow": _SlowToPickle(), "w": torch.full((1000,), 1.0)})
+    mgr.warmup({"slow": _SlowToPickle(), "w": torch.full((1000,), 7.0)})  # a second fit's, say
+    assert mgr.load(1, weights_only=False)["w"][0].item() == 1.0
+    mgr.close()

@@ -70,8 +70,8 @@ class AsyncSaver:
         name: names the collectives of this saver (every rank must use the same).
 
     Local calls (any rank, any time; but see ``writer``): :meth:`save`, :meth:`submit`, :meth:`after_commit`,
-    :meth:`wait`, :meth:`shutdown`, :attr:`failed`. Collectives (every rank, same order): :meth:`warmup`, :meth:`check`,
-    :meth:`close`, and :meth:`poll`, once per training step.
+    :meth:`stage`, :meth:`wait`, :meth:`shutdown`, :attr:`failed`. Collectives (every rank, same order):
+    :meth:`warmup`, :meth:`check`, :meth:`close`, and :meth:`poll`, once per training step.
 
     Thread: one writer, started by :meth:`warmup` or the first save and parked between saves;
     :meth:`close` or :meth:`shutdown` stops it, and a later save starts it again.
@@ -181,11 +181,7 @@ class AsyncSaver:
                 return False
             self._idle.wait()
         try:
-            if self.lock is None:
-                captured = self.staging.capture(state)
-            else:
-                with self.lock.read():
-                    captured = self.staging.capture(state)
+            captured = self._capture(state)
         except Exception as e:  # reported on every rank by the next check(), like a failed write
             if what and hasattr(e, "add_note"):
                 e.add_note(f"the snapshot for {what}")
@@ -204,6 +200,26 @@ class AsyncSaver:
         finally:
             self._handing = False
         return True
+
+    def _capture(self, state: Any) -> Captured:
+        """``state`` copied into the staging buffers, under the read side of the lock (if any)."""
+        if self.lock is None:
+            return self.staging.capture(state)
+        with self.lock.read():
+            return self.staging.capture(state)
+
+    def stage(self, example_state: Any) -> None:
+        """Allocate the staging buffers for ``example_state`` and start the writer thread, as the first save would;
+        local. After the write in flight, whose snapshot is in those buffers."""
+        self._not_from_writer_thread("stage")
+        with self._submitting:
+            self._submitter = threading.get_ident()  # a signal handler's save meanwhile is written at once
+            try:
+                self._idle.wait()
+                self._worker.start()  # the first save does not pay for starting the writer thread
+                self._capture(example_state)
+            finally:
+                self._submitter = None
 
     def _write_now(self, state: Any, write_fn: Callable[[Any], Any], callbacks: list[OnCommit]) -> None:
         """A save made while this very thread is inside :meth:`submit`: a signal handler (Lightning's SLURM
@@ -340,14 +356,7 @@ class AsyncSaver:
             if self.writer is not Writer.ALL:
                 refuse_sharded(example_state, f"{self.name}: warmup {directory}")
             if is_writer(self.writer):
-                self.wait()
-                self._worker.start()  # the first save does not pay for starting the writer thread
-                with self._submitting:
-                    if self.lock is None:
-                        self.staging.capture(example_state)
-                    else:
-                        with self.lock.read():
-                            self.staging.capture(example_state)
+                self.stage(example_state)
                 with naming_target("cannot write checkpoints to", directory):
                     probe_write(directory, storage_options, needs=self.staging.nbytes)
 

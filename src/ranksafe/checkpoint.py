@@ -230,7 +230,7 @@ class CheckpointManager:
             require_shared(where, self.root)
         with together(f"checkpoint {self.root}: warmup", self.timeout):
             if self._saver is not None and example_state is not None and (where.writer or shards is not None):
-                self._saver.staging.capture(example_state if shards is None else shards)
+                self._saver.stage(example_state if shards is None else shards)  # after the write in flight
             if where.writer:  # room for the writer's files; each rank's shards are not counted
                 needs = 0 if example_state is None or shards is not None else _nbytes(example_state)
                 probe = probe_root(self._base, needs)
