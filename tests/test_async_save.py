@@ -732,6 +732,32 @@ def test_a_failure_of_a_saver_dropped_unchecked_is_printed_once(tmp_path):
     assert out.stderr.count("a background checkpoint write failed: NotADirectoryError") == 1, out.stderr
 
 
+_FORKED_AFTER_A_FAILURE = """
+import multiprocessing, torch
+from ranksafe.async_save import AsyncSaver
+saver = AsyncSaver()
+saver.save({{"w": torch.ones(2)}}, {path!r})
+saver.wait()
+for _ in range(2):  # DataLoader workers, say
+    p = multiprocessing.get_context("fork").Process(target=print, args=("worker",))
+    p.start()
+    p.join()
+try:
+    saver.check()
+except OSError as e:
+    print("checked", type(e).__name__)
+"""
+
+
+def test_a_failure_is_reported_by_the_process_that_failed_not_again_by_its_forked_children(tmp_path):
+    """Before: each forked child inherited the unreported failure and printed it at its exit (twice here), before
+    the parent's check raised it."""
+    (tmp_path / "file").write_text("in the way")
+    out = _script(_FORKED_AFTER_A_FAILURE.format(path=str(tmp_path / "file" / "ckpt.pt")))
+    assert out.returncode == 0 and "checked NotADirectoryError" in out.stdout, out.stdout + out.stderr
+    assert out.stdout.count("worker") == 2 and "a background checkpoint write failed" not in out.stderr, out.stderr
+
+
 _SIGNAL_IN_WARMUP = """
 import faulthandler, os, signal, torch
 from ranksafe.async_save import AsyncSaver

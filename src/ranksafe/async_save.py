@@ -404,6 +404,8 @@ def _after_fork_in_child() -> None:
     parent's write is the parent's)."""
     for saver in list(_live):
         saver._fresh_threads()
+        # what the parent has to report is the parent's: a DataLoader worker would print it again at its exit
+        saver._failure[0], saver._asked, saver.carried_by = None, set(), None
 
 
 def _exit_hook_in_process_child(_: object) -> None:
