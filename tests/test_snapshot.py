@@ -485,6 +485,24 @@ def test_a_plain_tensor_that_requires_grad_keeps_it_like_torch_save():
     assert type(snap["log_alpha"]) is torch.nn.Parameter and not snap["log_alpha"].requires_grad
 
 
+def test_python_attributes_of_a_tensor_or_a_parameter_are_kept_as_they_were_at_the_capture_like_torch_save():
+    """Before: dropped (``torch.save`` keeps them: Megatron marks its parameters so)."""
+    weight = torch.nn.Parameter(torch.ones(3))
+    weight.partition_dim, weight.groups = 0, ["tp"]
+    buffer = torch.zeros(2)
+    buffer.tag = "ema"
+    state = {"weight": weight, "buffer": buffer, "plain": torch.ones(1)}
+    expected = {k: dict(vars(v)) for k, v in _saved(state)[1].items()}
+    captured = StagingBuffers().capture(state)
+    weight.groups.append("dp")  # after the capture: not in the snapshot
+    buffer.tag = "changed"
+    snap = captured.assemble()
+    assert {k: vars(v) for k, v in snap.items()} == expected == {
+        "weight": {"partition_dim": 0, "groups": ["tp"]}, "buffer": {"tag": "ema"}, "plain": {},
+    }  # fmt: skip
+    assert type(snap["weight"]) is torch.nn.Parameter
+
+
 @pytest.mark.parametrize("resize_to", [0, 16])
 def test_a_tensor_whose_storage_was_resized_under_it_is_refused_not_read(resize_to):
     """``t.clone()`` of such a tensor crashes the process with a segmentation fault; FSDP frees parameters so."""

@@ -42,17 +42,23 @@ class _Slot:
 
 
 @dataclass(frozen=True)
-class _Grad:
-    """How a staged copy carries the original's autograd flags, as ``torch.save`` keeps them: a Parameter stays
-    one; a plain tensor that requires grad (a leaf such as SAC's ``log_alpha``) still does."""
+class _AsPlain:
+    """How a staged copy becomes what ``torch.save`` keeps of a plain tensor or a Parameter: a Parameter stays one; a
+    plain tensor that requires grad (a leaf such as SAC's ``log_alpha``) still does; Python attributes set on it
+    (Megatron's ``partition_dim``) come along, as they were when the snapshot was taken."""
 
     parameter: bool
     requires_grad: bool
+    attributes: dict[str, Any] | None = None
 
     def dress(self, staged: torch.Tensor) -> torch.Tensor:
         if self.parameter:
-            return torch.nn.Parameter(staged, requires_grad=self.requires_grad)
-        return staged.detach().requires_grad_(self.requires_grad)  # a new object: the staged one is reused
+            dressed = torch.nn.Parameter(staged, requires_grad=self.requires_grad)
+        else:
+            dressed = staged.detach().requires_grad_(self.requires_grad)  # a new object: the staged one is reused
+        if self.attributes:
+            vars(dressed).update(self.attributes)
+        return dressed
 
 
 @dataclass(frozen=True)
@@ -72,8 +78,8 @@ class _AsDTensor:
         return unflatten({**self.inner, self.local: staged}, self.context, self.shape, self.stride)
 
 
-Clothes = _Grad | _AsDTensor
-_REQUIRES_GRAD = _Grad(parameter=False, requires_grad=True)
+Clothes = _AsPlain | _AsDTensor
+_REQUIRES_GRAD = _AsPlain(parameter=False, requires_grad=True)
 
 
 def _dtensor_parts(t: Any) -> tuple[torch.Tensor, _AsDTensor]:
@@ -91,7 +97,7 @@ def _stageable(t: torch.Tensor) -> tuple[torch.Tensor, Clothes | None] | None:
     if kind is torch.Tensor:
         local, clothes = t, (_REQUIRES_GRAD if t.requires_grad else None)
     elif kind is torch.nn.Parameter:
-        local, clothes = t, _Grad(parameter=True, requires_grad=t.requires_grad)
+        local, clothes = t, _AsPlain(parameter=True, requires_grad=t.requires_grad)
     elif kind is dtensor_type():
         local, clothes = _dtensor_parts(t)
         if type(local) not in _PLAIN:
@@ -174,8 +180,12 @@ class Flattened:
         slot = _Slot(len(self.sources))
         self.sources.append(parts[0])
         self.originals.append(t)
-        if parts[1] is not None:
-            self._clothes[slot.index] = parts[1]
+        clothes = parts[1]
+        if type(t) in _PLAIN and (attributes := vars(t)):  # copied now, as the values are
+            parameter = type(t) is torch.nn.Parameter
+            clothes = _AsPlain(parameter, t.requires_grad, copy.deepcopy(attributes, self._memo))
+        if clothes is not None:
+            self._clothes[slot.index] = clothes
         return slot
 
     def _aliases(self) -> dict[int, int]:
