@@ -12,6 +12,7 @@ import os
 import pickle
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -684,3 +685,30 @@ def test_under_torchrun_a_fit_outside_distrib_ctx_warns_on_every_rank_that_each_
             assert v["shards"] == [("Lin", None, None)], v  # what the warning says happened
             (message,) = v["alone"]
             assert message.startswith(f"rank {rank}: 2 ranks, but the model is not wrapped"), message
+
+
+class FailsInBatch3(Callback):
+    order = 70
+
+    def after_batch(self):
+        if self.training and self.iter == 2:
+            raise RuntimeError("failed in batch 3")
+
+
+def _failed_lr_find(rank, root):
+    learn = _learner(root, True, FailsInBatch3())
+    try:
+        with learn.no_bar(), learn.no_logging(), learn.distrib_ctx(sync_bn=False):
+            learn.lr_find(num_it=12, show_plot=False)
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    return {"error": error, "files": sorted(str(p.relative_to(root)) for p in Path(root).rglob("*") if p.is_file())}
+
+
+def test_an_lr_find_that_fails_leaves_no_temporary_model_behind(tmp_path):
+    """Before: RankSafe's lr_find made its temporary directory with mkdtemp and removed it in after_fit, which a fit
+    that raises never runs: models/tmp.../_tmp.pth stayed. fastai's own (a TemporaryDirectory) goes with LRFinder."""
+    values = run_ranks(_failed_lr_find, 2, args=(str(tmp_path),), launch_env=True, timeout=120).values
+    for v in values:
+        assert "failed in batch 3" in v["error"] and v["files"] == [], v

@@ -40,7 +40,7 @@ from ..schedule import SaveSchedule
 from ..storage import Storage
 from . import learner
 from .distributed import any_backend, prepare_distributed, trains_as_one_job
-from .guards import guard, put_back, quiet_csv_loggers, quiet_trackers, refuse_remote_csv
+from .guards import discard_temporaries, guard, put_back, quiet_csv_loggers, quiet_trackers, refuse_remote_csv
 from .learner import stock_method
 from .mid_epoch import end_resumed_epoch
 from .steps import Fit, FitSteps, StepBoundary
@@ -356,6 +356,8 @@ class RankSafe(Callback):
         fit, self._fit = self._fit, None
         if fit is None:
             return
+        if exc is not None:
+            discard_temporaries(self.learn, fit.guarded)
         put_back(fit.guarded)
         put_back(fit.quiet)
         if exc is not None:

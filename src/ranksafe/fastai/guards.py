@@ -64,11 +64,25 @@ def _lr_finder_after_fit(cb: LRFinder) -> None:
         cb.learn.load(f"{cb.tmp_p}/_tmp", with_opt=True)  # returns on a rank once every rank has read it
     finally:
         with together("lr_find: remove temporary model"):
-            tmp = remote.joinpath(cb.path, cb.model_dir, cb.tmp_p)
-            if topology.is_main() and remote.is_url(tmp):
-                remote.Remote.of(tmp).remove()
-            elif topology.is_main():
-                shutil.rmtree(tmp, ignore_errors=True)
+            _remove_temporary_model(cb.learn, cb.tmp_p)
+
+
+def _remove_temporary_model(learn: Learner, name: str) -> None:
+    """Rank 0 removes the directory of lr_find's temporary model, ``name`` under the Learner's models. Local."""
+    tmp = remote.joinpath(learn.path, learn.model_dir, name)
+    if topology.is_main() and remote.is_url(tmp):
+        remote.Remote.of(tmp).remove()
+    elif topology.is_main():
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def discard_temporaries(learn: Learner, guarded: list[tuple[Callback, str]]) -> None:
+    """After a fit that raised (no ``after_fit`` ran, and fastai took the ``LRFinder`` off): rank 0 removes the
+    temporary model of a guarded ``lr_find``, as fastai's own temporary directory goes once its ``LRFinder`` is
+    collected. Local: after a failure the ranks do not meet."""
+    for cb, name in guarded:
+        if name == "before_fit" and isinstance(cb, LRFinder) and getattr(cb, "tmp_p", None):
+            _remove_temporary_model(learn, cb.tmp_p)
 
 
 def _csv_before_fit(cb: CSVLogger) -> None:
