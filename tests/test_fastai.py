@@ -712,3 +712,25 @@ def test_an_lr_find_that_fails_leaves_no_temporary_model_behind(tmp_path):
     values = run_ranks(_failed_lr_find, 2, args=(str(tmp_path),), launch_env=True, timeout=120).values
     for v in values:
         assert "failed in batch 3" in v["error"] and v["files"] == [], v
+
+
+@pytest.mark.parametrize("safe", [False, True], ids=["stock", "ranksafe"])
+def test_load_takes_a_file_object_and_leaves_the_optimizer_alone_with_with_opt_none(tmp_path, safe):
+    """Before, with RankSafe: a file object raised TypeError (its save took one), and with_opt=None loaded the
+    optimizer's state, where fastai's Learner.load leaves it (TextLearner.load takes None for a yes)."""
+    learn = _learner(tmp_path, safe)
+    with learn.no_bar(), learn.no_logging():
+        learn.fit(1, 1e-2)
+    learn.save("m")
+    learn.opt.set_hyper("lr", 0.5)
+    learn.load("m", with_opt=None)
+    assert learn.opt.hypers[0]["lr"] == 0.5
+    buffer = io.BytesIO()
+    learn.save(buffer)
+    saved = params(learn)
+    with torch.no_grad():
+        for p in learn.model.parameters():
+            p.zero_()
+    buffer.seek(0)
+    learn.load(buffer)
+    assert params(learn) == saved

@@ -81,17 +81,21 @@ def load_model(
     """fastai's ``load_model`` as a collective: waits for the writer, raises the same error on every rank.
 
     Weights-only unless ``trusted`` (a ``weights_only`` argument, which ``SaveModelCallback`` passes, is ignored: a
-    model file needs no full unpickler). ``clean_keys``: drop old text models' ``*_raw`` keys, as ``TextLearner.load``.
+    model file needs no full unpickler). ``clean_keys``: drop old text models' ``*_raw`` keys, and take
+    ``with_opt=None`` for a yes, as ``TextLearner.load``. A file object is this process's own: read here alone.
     """
     torch_load_kwargs.pop("weights_only", None)
     device = torch.device("cuda", device) if isinstance(device, int) else device or "cpu"
     with _safe_globals():
-        state = saving.load(file, map_location=device, weights_only=not trusted, **torch_load_kwargs)
+        if isinstance(file, str | os.PathLike):
+            state = saving.load(file, map_location=device, weights_only=not trusted, **torch_load_kwargs)
+        else:
+            state = torch.load(file, map_location=device, weights_only=not trusted, **torch_load_kwargs)
     with together("load_state_dict", what=f"load_state_dict {file}"):
         hasopt = set(state) == {"model", "opt"}
         model_state = state["model"] if hasopt else state
         get_model(model).load_state_dict(_text().clean_raw_keys(model_state) if clean_keys else model_state, strict)
-        if hasopt and with_opt is not False:
+        if hasopt and (with_opt or (with_opt is None and clean_keys)):
             try:
                 opt.load_state_dict(state["opt"])
             except Exception:
