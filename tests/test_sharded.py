@@ -377,6 +377,22 @@ def test_a_sharded_load_refuses_pickled_objects_unless_trusted(tmp_path):
     assert torch.equal(into["w"], torch.ones(2))
 
 
+def test_every_file_of_the_shards_is_on_disk_when_dcp_syncs_it(tmp_path, monkeypatch):
+    """Before: DCP fsynced .metadata while its pickle was still in our stream's buffer (0 bytes on disk), and the commit
+    syncs only the directory: a power loss could leave a committed step with an empty index."""
+    synced = []
+    fsync = os.fsync
+
+    def recording(fd):
+        synced.append((os.path.basename(os.readlink(f"/proc/self/fd/{fd}")), os.fstat(fd).st_size))
+        return fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording)
+    write_shards({"w": torch.arange(1000.0), "epoch": 4}, str(tmp_path), "test")
+    final = {name: (tmp_path / name).stat().st_size for name in os.listdir(tmp_path)}
+    assert {name.removesuffix(".tmp"): size for name, size in synced if name.startswith((".metadata", "__"))} == final
+
+
 def test_ranks_verifying_a_step_together_check_each_file_once(tmp_path):
     manager = CheckpointManager(tmp_path)
     step = manager.save(1, {"w": torch.ones(4)}, extra_files={f"f{i}.txt": str(i) for i in range(5)})

@@ -45,7 +45,8 @@ class _ShardFile(ChecksummingWriter):
         return self.length  # a new file, written from its start: DCP records each item's offset
 
     def fileno(self) -> int:
-        return self.file.fileno()  # DCP fsyncs it
+        self.file.flush()  # DCP fsyncs this descriptor next: what its pickler wrote (.metadata) may still be buffered
+        return self.file.fileno()
 
     def close(self) -> None:
         self.file.close()
