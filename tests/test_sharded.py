@@ -377,6 +377,34 @@ def test_a_sharded_load_refuses_pickled_objects_unless_trusted(tmp_path):
     assert torch.equal(into["w"], torch.ones(2))
 
 
+class _RunsCode:
+    """A pickle that leaves a mark when it is loaded, then gives back the real metadata."""
+
+    def __init__(self, mark: str, real: bytes):
+        self.mark, self.real = mark, real
+
+    def __reduce__(self):
+        code = f"open({self.mark!r}, 'w').close() or __import__('pickle').loads({self.real!r})"
+        return (eval, (code,))
+
+
+@pytest.mark.filterwarnings(_DCP_NOISE)
+def test_a_sharded_load_refuses_an_index_that_would_run_code_unless_trusted(tmp_path):
+    """Before: DCP reads .metadata with pickle.load, so a checkpoint from elsewhere ran its code on a weights-only load
+    (the load then succeeded)."""
+    import pickle
+
+    write_shards({"w": torch.ones(2)}, str(tmp_path), "test")
+    index, mark = tmp_path / ".metadata", tmp_path.parent / "ran"
+    index.write_bytes(pickle.dumps(_RunsCode(str(mark), index.read_bytes())))
+    into = {"w": torch.zeros(2)}
+    with pytest.raises(ranksafe.errors.UntrustedCheckpoint, match=r"\.metadata holds objects .*builtins\.eval"):
+        read_shards(into, str(tmp_path), "test")
+    assert not mark.exists() and torch.equal(into["w"], torch.zeros(2))
+    read_shards(into, str(tmp_path), "test", weights_only=False)  # trusted: what DCP's own load does
+    assert mark.exists() and torch.equal(into["w"], torch.ones(2))
+
+
 def test_every_file_of_the_shards_is_on_disk_when_dcp_syncs_it(tmp_path, monkeypatch):
     """Before: DCP fsynced .metadata while its pickle was still in our stream's buffer (0 bytes on disk), and the commit
     syncs only the directory: a power loss could leave a committed step with an empty index."""

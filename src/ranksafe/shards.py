@@ -9,6 +9,7 @@ import, in every process of a job, and most jobs never save a DTensor.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import pickle
 import threading
@@ -24,8 +25,10 @@ from torch.futures import Future
 
 from . import topology
 from .checkpoint_file import ChecksummingWriter
+from .collectives import together
 from .commit import Entry
 from .errors import Failure, RankFailure, UntrustedCheckpoint, rank_failure
+from .sharded import METADATA
 
 if TYPE_CHECKING:
     from .async_save import AsyncSaver
@@ -270,12 +273,65 @@ class _WeightsOnlyPlanner(dcp.DefaultLoadPlanner):
         super().load_bytes(read_item, value)
 
 
+_METADATA_CLASSES = {
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+    )),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    *((module, kind) for module in ("pathlib", "pathlib._local") for kind in ("PosixPath", "WindowsPath")),
+}  # fmt: skip
+"""What DCP pickles into ``.metadata`` (with torch's dtypes): the globals a weights-only load lets it name."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Reads DCP's ``.metadata`` refusing any global but DCP's own metadata classes: DCP loads it with
+    ``pickle.load``, where a checkpoint from elsewhere could run code."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if dtype or (module, name) in _METADATA_CLASSES:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name}, which is no part of DCP's metadata")
+
+
+class _CheckedMetadataFileSystem(FileSystem):
+    """DCP's local file system, whose ``.metadata`` reaches DCP only once :class:`_MetadataUnpickler` has read it."""
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        with super().create_stream(path, mode) as f:
+            if "r" not in mode or not os.fspath(path).endswith(METADATA):
+                yield f
+                return
+            data = f.read()
+            try:
+                _MetadataUnpickler(io.BytesIO(data)).load()
+            except pickle.UnpicklingError as e:
+                raise UntrustedCheckpoint(path, str(e)) from None
+            yield io.BytesIO(data)
+
+
 def read_shards(into: dict[str, Any], directory: str, what: str, weights_only: bool | None = True) -> dict[str, Any]:
     """Every rank: load the DCP state in ``directory`` into ``into``, in place (``dcp.load``: resharded to the
-    tensors' current placements, ``Stateful`` values given their state); return ``into``.
+    tensors' current placements, ``Stateful`` values given their state); return ``into``. Weights-only (unless
+    ``weights_only=False``): DCP's index and the non-tensor values may name no class but theirs.
 
     A failure on any rank raises the same :class:`~ranksafe.RankFailure` on every rank, as :func:`write_shards`."""
-    planner = _WeightsOnlyPlanner(directory) if weights_only is not False else None
+    reader = dcp.FileSystemReader(directory)
+    planner = None
+    if weights_only is not False:
+        reader.fs, planner = _CheckedMetadataFileSystem(), _WeightsOnlyPlanner(directory)
+        # refused here, before DCP's collectives, with the same error on every rank (a rank alone would leave the
+        # others waiting in DCP's)
+        with (
+            together(f"{what}: index", what=f"{what}: {METADATA}"),
+            reader.fs.create_stream(os.path.join(directory, METADATA), "rb"),
+        ):
+            pass
     with _failures_shared_by_dcp(what):
-        dcp.load(into, storage_reader=dcp.FileSystemReader(directory), planner=planner, no_dist=_no_dist())
+        dcp.load(into, storage_reader=reader, planner=planner, no_dist=_no_dist())
     return into
