@@ -421,6 +421,35 @@ def test_every_file_of_the_shards_is_on_disk_when_dcp_syncs_it(tmp_path, monkeyp
     assert {name.removesuffix(".tmp"): size for name, size in synced if name.startswith((".metadata", "__"))} == final
 
 
+def _files_named_as_dcp_names_its_own(rank, root):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    state = {"w": DTensor.from_local(torch.full((2,), float(rank)), init_device_mesh("cpu", (2,)), [Shard(0)])}
+    manager = CheckpointManager(root, keep=None)
+    out = {"extra file": _attempt(lambda: manager.save(1, state, extra_files={"__0_0.distcp": "oops"}))}
+
+    def side_files():
+        with manager.saving(2, shards=state) as tx:
+            tx.save(b"mine", f"__{rank}_0.distcp")
+
+    out["side files"] = _attempt(side_files)
+    manager.save(3, state, extra_files={"notes.txt": "fine"})
+    out["committed"] = sorted(os.listdir(root))
+    return out
+
+
+@pytest.mark.filterwarnings(_DCP_NOISE)
+def test_a_file_of_a_sharded_step_named_as_dcp_names_its_own_is_refused_on_every_rank(tmp_path):
+    """Before: extra_files={"__0_0.distcp": ...} replaced rank 0's shard, the manifest took the replacement, and the
+    step committed: `ranksafe verify` said OK and its load failed on every rank with an UnpicklingError."""
+    values = run_ranks(_files_named_as_dcp_names_its_own, 2, args=(str(tmp_path),), timeout=120).values
+    for v in values:
+        assert v["extra file"].startswith("ValueError: checkpoint 1: __0_0.distcp: torch.distributed.checkpoint"), v
+        assert v["side files"].startswith("ValueError: checkpoint 2: __0_0.distcp, __1_0.distcp: "), v
+        assert v["committed"] == ["step_00000003"], v
+
+
 def test_ranks_verifying_a_step_together_check_each_file_once(tmp_path):
     manager = CheckpointManager(tmp_path)
     step = manager.save(1, {"w": torch.ones(4)}, extra_files={f"f{i}.txt": str(i) for i in range(5)})

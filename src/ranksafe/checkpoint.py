@@ -57,7 +57,7 @@ from .remote import Remote
 from .retention import BestMode, Retention, StepMetrics
 from .saving import paths_apart
 from .schedule import SaveSchedule
-from .sharded import METADATA, for_dcp, refuse_sharded, require_shared
+from .sharded import METADATA, dcp_files, for_dcp, refuse_sharded, require_shared
 from .step_agreement import committed_everywhere, verdict
 from .steps import StepDirs, StepInfo, check_step, list_steps
 from .storage import Placement, Storage, check_every_rank_sees, placement, probe_root
@@ -374,6 +374,12 @@ class CheckpointManager:
                 raise ValueError(
                     f"checkpoint {step}: {'; '.join(clashes)}: one would replace the other in the step directory; "
                     "give each rank's side files a name of their own (f'rng_{rank}.pt')"
+                )
+            every_name = (name for _, entries, names, _ in posted for name in (*entries, *names))
+            if part is not None and (taken := dcp_files(every_name)):  # sharded: DCP writes its own after the block
+                raise ValueError(
+                    f"checkpoint {step}: {', '.join(taken)}: torch.distributed.checkpoint writes files of these names "
+                    "in a step of sharded state, and would replace them; name them otherwise"
                 )
         except BaseException:
             if part is not None:

@@ -27,7 +27,8 @@ and is imported only where a step holds some.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import re
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -39,6 +40,14 @@ from .remote import Remote
 from .storage import Placement, StorageKind
 
 METADATA = ".metadata"  # DCP's own index of a checkpoint, written last by its coordinator
+_DCP_FILE = re.compile(r"__\d+_\d+\.distcp|\.metadata(\.tmp)?")  # what DCP's FileSystemWriter names its files
+
+
+def dcp_files(names: Iterable[str]) -> list[str]:
+    """The ``names`` that DCP writes in a step of sharded state (``__0_0.distcp``, ``.metadata``), sorted: another
+    file of that name would be replaced by DCP's, or replace it."""
+    return sorted({name for name in names if _DCP_FILE.fullmatch(name)})
+
 
 _PLAIN = frozenset({torch.Tensor, torch.nn.Parameter, int, float, bool, str, type(None)})
 
