@@ -450,6 +450,29 @@ def test_a_file_of_a_sharded_step_named_as_dcp_names_its_own_is_refused_on_every
         assert v["committed"] == ["step_00000003"], v
 
 
+def _sharded_objects_given_to_one_writer(rank, root):
+    model, opt = _model(2, seed=6)
+    manager = CheckpointManager(os.path.join(root, "steps"), keep=None)
+    return {
+        "save a model": _attempt(lambda: ranksafe.save({"model": model}, os.path.join(root, "model.pt"))),
+        "save an optimizer": _attempt(lambda: ranksafe.save({"opt": opt}, os.path.join(root, "opt.pt"))),
+        "a step holding one": _attempt(lambda: manager.save(1, {"x": [opt]})),
+        "files": sorted(os.listdir(root)),
+    }
+
+
+@pytest.mark.filterwarnings(_DCP_NOISE)
+def test_a_module_or_optimizer_holding_shards_is_refused_by_a_single_writer_on_every_rank(tmp_path):
+    """Before: only dicts, lists and tuples were looked into: ranksafe.save({"opt": opt}) and a step holding an FSDP2
+    optimizer object wrote rank 0's shards only (parameters of half their shape), and returned on every rank."""
+    values = run_ranks(_sharded_objects_given_to_one_writer, 2, args=(str(tmp_path),), timeout=120).values
+    for v in values:
+        for case in ("save a model", "save an optimizer", "a step holding one"):
+            assert "ValueError" in v[case] and "the state holds sharded DTensors" in v[case], (case, v[case])
+        assert "opt.param_groups[0]['params'][0]" in v["save an optimizer"], v["save an optimizer"]  # named
+        assert v["files"] == ["steps"] and os.listdir(tmp_path / "steps") == [], v
+
+
 def test_ranks_verifying_a_step_together_check_each_file_once(tmp_path):
     manager = CheckpointManager(tmp_path)
     step = manager.save(1, {"w": torch.ones(4)}, extra_files={f"f{i}.txt": str(i) for i in range(5)})

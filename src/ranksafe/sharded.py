@@ -55,32 +55,54 @@ _PLAIN = frozenset({torch.Tensor, torch.nn.Parameter, int, float, bool, str, typ
 # -- what is sharded -----------------------------------------------------------------------------------
 
 
-def _holds_dtensor(obj: Any, dtensor: type) -> bool:
-    """Whether nested dicts, lists and tuples hold a ``dtensor``. Called on every save, so a container of plain
-    values (a model's state dict) is looked at in one C loop over its values' types."""
+_PICKLED_WHOLE = (torch.nn.Module, torch.optim.Optimizer)  # hold their tensors: a pickle of one holds them too
+
+
+def _holds_dtensor(obj: Any, dtensor: type, in_objects: bool = False) -> bool:
+    """Whether nested dicts, lists and tuples hold a ``dtensor`` (``in_objects``: also inside a module or an optimizer
+    among them). Called on every save, so a container of plain values (a model's state dict) is looked at in one C
+    loop over its values' types."""
     values = obj.values() if isinstance(obj, Mapping) else obj if isinstance(obj, (list, tuple)) else None
     if values is None:
+        if in_objects and isinstance(obj, _PICKLED_WHOLE):
+            return any(isinstance(t, dtensor) for _, t in _tensors_of(obj))
         return isinstance(obj, dtensor)
-    return not _PLAIN.issuperset(map(type, values)) and any(_holds_dtensor(v, dtensor) for v in values)
+    return not _PLAIN.issuperset(map(type, values)) and any(_holds_dtensor(v, dtensor, in_objects) for v in values)
+
+
+def _tensors_of(obj: torch.nn.Module | torch.optim.Optimizer) -> Iterator[tuple[str, Any]]:
+    """A module's parameters and buffers, or an optimizer's parameters, by name."""
+    if isinstance(obj, torch.nn.Module):
+        yield from obj.named_parameters()
+        yield from obj.named_buffers()
+        return
+    for i, group in enumerate(obj.param_groups):
+        for j, param in enumerate(group["params"]):
+            yield f"param_groups[{i}]['params'][{j}]", param
 
 
 def _leaves(obj: Any, key: str) -> Iterator[tuple[str, Any]]:
-    """``(key path, value)`` of every value in nested dicts, lists and tuples (``"model.w"``, ``"groups[0]"``)."""
+    """``(key path, value)`` of every value in nested dicts, lists and tuples (``"model.w"``, ``"groups[0]"``), and of
+    every tensor of a module or an optimizer among them."""
     if isinstance(obj, Mapping):
         for k, v in obj.items():
             yield from _leaves(v, f"{key}.{k}" if key else str(k))
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
             yield from _leaves(v, f"{key}[{i}]")
+    elif isinstance(obj, _PICKLED_WHOLE):
+        for name, t in _tensors_of(obj):
+            yield f"{key}.{name}" if key else name, t
     else:
         yield key, obj
 
 
 def sharded_tensors(state: Any) -> dict[str, Any]:
     """The ``DTensor`` objects in ``state`` that are not replicated on every rank of their mesh, by key path, with
-    their placements (``{"model.w": (Shard(dim=0),)}``)."""
+    their placements (``{"model.w": (Shard(dim=0),)}``), also those of a module or an optimizer in ``state``, which
+    a pickle of it holds."""
     dtensor = dtensor_type()
-    if dtensor is None or not _holds_dtensor(state, dtensor):
+    if dtensor is None or not _holds_dtensor(state, dtensor, in_objects=True):
         return {}
     return {
         key: tuple(t.placements)
