@@ -21,3 +21,16 @@ def test_it_returns_the_store_of_the_default_group(tmp_path):
         assert isinstance(store, dist.Store) and store.get("ranksafe-compat") == b"1"
     finally:
         dist.destroy_process_group()
+
+
+def test_every_global_a_checkpoint_index_may_name_still_exists():
+    """What a weights-only load of sharded state lets DCP's .metadata name: a renamed one would refuse every index."""
+    import importlib
+
+    for module_name, name in sorted(torch_compat.DCP_METADATA_GLOBALS):
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError:
+            assert module_name == "pathlib._local", module_name  # pathlib's classes live there from Python 3.13
+            continue
+        assert hasattr(module, name), f"{module_name}.{name} is gone"

@@ -29,6 +29,7 @@ from .collectives import together
 from .commit import Entry
 from .errors import Failure, RankFailure, UntrustedCheckpoint, rank_failure
 from .sharded import METADATA
+from .torch_compat import DCP_METADATA_GLOBALS
 
 if TYPE_CHECKING:
     from .async_save import AsyncSaver
@@ -273,27 +274,13 @@ class _WeightsOnlyPlanner(dcp.DefaultLoadPlanner):
         super().load_bytes(read_item, value)
 
 
-_METADATA_CLASSES = {
-    *(("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
-    )),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("collections", "OrderedDict"),
-    *((module, kind) for module in ("pathlib", "pathlib._local") for kind in ("PosixPath", "WindowsPath")),
-}  # fmt: skip
-"""What DCP pickles into ``.metadata`` (with torch's dtypes): the globals a weights-only load lets it name."""
-
-
 class _MetadataUnpickler(pickle.Unpickler):
     """Reads DCP's ``.metadata`` refusing any global but DCP's own metadata classes: DCP loads it with
     ``pickle.load``, where a checkpoint from elsewhere could run code."""
 
     def find_class(self, module: str, name: str) -> Any:
         dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        if dtype or (module, name) in _METADATA_CLASSES:
+        if dtype or (module, name) in DCP_METADATA_GLOBALS:
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name}, which is no part of DCP's metadata")
 

@@ -17,3 +17,19 @@ the store of a group made by ``init_process_group``."""
 def default_store() -> dist.Store:
     """The default process group's store (see :data:`DEFAULT_STORE`)."""
     return getattr(dist.distributed_c10d, DEFAULT_STORE)()
+
+
+DCP_METADATA_GLOBALS = frozenset({
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+    )),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    *((module, kind) for module in ("pathlib", "pathlib._local") for kind in ("PosixPath", "WindowsPath")),
+})  # fmt: skip
+"""The globals ``torch.distributed.checkpoint`` pickles into a checkpoint's ``.metadata`` (besides torch's dtypes), some
+of them private: a weights-only load of sharded state lets that file name these and nothing else
+(:mod:`ranksafe.shards`), as DCP itself reads it with ``pickle.load``, where any global runs."""
