@@ -619,7 +619,7 @@ def test_shutdown_from_another_thread_never_strands_a_save(tmp_path):
     state = {"w": torch.ones(4)}
     saver = AsyncSaver()
     assert saver.save(state, tmp_path / "warm.pt") and saver.wait(5)
-    writer = saver._worker._thread[0]
+    writer = saver._worker._slot.thread
     join, stopping = writer.join, threading.Event()
 
     def slow_join(*args):  # widen the window in which a save from another thread used to slip in
@@ -652,6 +652,79 @@ def test_a_writer_thread_that_cannot_start_leaves_nothing_in_flight(tmp_path, mo
     assert saver.save(_state(n=2), tmp_path / "b.pt")
     saver.close()
     assert os.path.exists(tmp_path / "b.pt")
+
+
+_INTERRUPTED = """
+import faulthandler, os, queue, sys, threading, torch
+sys.path.insert(0, {root!r})
+from ranksafe.async_save import AsyncSaver
+from ranksafe.checkpoint_file import load_file
+from tests.interrupts import interrupt_each_point
+faulthandler.dump_traceback_later(60, exit=True)  # a hang prints where, and fails the test
+d = {tmp!r}
+
+
+class NaiveSaver:  # the usual hand-off: mark the saver busy, then give the job to the writer thread
+    def __init__(self):
+        self.idle, self.jobs = threading.Event(), queue.SimpleQueue()
+        self.idle.set()
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self):
+        while True:
+            self.jobs.get()()
+            self.idle.set()
+
+    def save(self, state, path):
+        self.idle.wait()
+        snapshot = {{k: v.clone() for k, v in state.items()}}
+        self.idle.clear()
+        self.hand(lambda: torch.save(snapshot, path))
+
+    def hand(self, job):
+        self.jobs.put(job)
+
+    def wait(self, timeout):
+        return self.idle.wait(timeout)
+
+
+for make in (NaiveSaver, AsyncSaver):
+    saver, state, counts = make(), {{"w": torch.zeros(4), "b": torch.zeros(2)}}, {{"hung": 0, "wrong": 0}}
+    saver.save(state, os.path.join(d, "warm.pt"))
+    n = [0]
+
+    def after(where):  # the interrupted save: gone or committed, never in flight for ever
+        global saver
+        n[0] += 1
+        if not saver.wait(timeout=5):
+            counts["hung"] += 1
+            print(make.__name__, "hung after an interrupt at", where, flush=True)
+            saver = make()  # the stuck one is left behind: the next point gets a saver of its own
+            return
+        state["w"].fill_(n[0])  # and the next save holds the values it was given
+        saver.save(state, os.path.join(d, "after.pt"))
+        saver.wait(timeout=5)
+        counts["wrong"] += float(load_file(os.path.join(d, "after.pt"))["w"][0]) != n[0]
+
+    points = interrupt_each_point(
+        lambda: saver.save(state, os.path.join(d, "cut.pt")), ("/ranksafe/", "<string>"), after
+    )
+    print(make.__name__, "points", points, "hung", counts["hung"], "wrong", counts["wrong"], flush=True)
+os._exit(0)
+"""
+
+
+def test_ctrl_c_anywhere_in_a_save_leaves_no_write_in_flight_for_ever(tmp_path):
+    """A signal handler that raises (Ctrl-C) at any point of :meth:`AsyncSaver.save` where Python runs one: the
+    save is then written or dropped, never left "in flight" with no write coming (every later save, and the exit,
+    would wait for it for ever). Control: the usual hand-off (mark busy, then queue the job) hangs at one point."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = _script(_INTERRUPTED.format(root=root, tmp=str(tmp_path)))
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    naive, ours = (line.split() for line in out.stdout.splitlines() if " points " in line)
+    assert naive[0] == "NaiveSaver" and int(naive[2]) >= 3 and int(naive[4]) >= 1, out.stdout
+    assert ours[0] == "AsyncSaver" and int(ours[2]) >= 50, out.stdout  # every point of the hand-off, and more
+    assert ours[4:] == ["0", "wrong", "0"], out.stdout
 
 
 _FORK = """

@@ -106,12 +106,9 @@ class AsyncSaver:
     def _fresh_threads(self) -> None:
         """The writer thread and what synchronises with it: new ones (also in a forked child, where the parent's
         thread does not exist and its locks may be held by threads that do not exist either)."""
-        self._worker = ParkedThread("ranksafe-async-save")
-        self._idle = threading.Event()  # set while no write is queued or running
-        self._idle.set()
+        self._worker = ParkedThread("ranksafe-async-save")  # its job: the write in flight
         self._submitting = threading.Lock()  # one snapshot at a time, whatever the calling thread
         self._submitter: int | None = None  # the thread inside submit(): a signal handler there must not wait
-        self._handing = False  # between _idle.clear() and the job reaching the writer thread
         self._error_lock = threading.Lock()  # the writer thread records, check() takes: never lose one
         self._after_commit = AfterCommit()  # a forked child has no write in flight
 
@@ -129,7 +126,7 @@ class AsyncSaver:
     @property
     def in_flight(self) -> bool:
         """Whether a write is running now."""
-        return not self._idle.is_set()
+        return self._worker.busy
 
     def save(self, state: Any, path: str | os.PathLike, on_commit: OnCommit | None = None, **torch_save_kwargs) -> bool:
         """Snapshot ``state`` and write it to ``path`` in the background, atomically. Local.
@@ -169,8 +166,8 @@ class AsyncSaver:
             self._write_now(state, write_fn, callbacks)
             return True
         with self._submitting:
-            self._submitter = threading.get_ident()
             try:
+                self._submitter = threading.get_ident()
                 return self._submit(state, write_fn, callbacks, what)
             finally:
                 self._submitter = None
@@ -179,7 +176,7 @@ class AsyncSaver:
         if self.in_flight:
             if self.policy is BusyPolicy.SKIP:
                 return False
-            self._idle.wait()
+            self._worker.wait()
         try:
             captured = self._capture(state)
         except Exception as e:  # reported on every rank by the next check(), like a failed write
@@ -188,17 +185,16 @@ class AsyncSaver:
             self._record(e)
             self._after_commit.settle(committed=False)
             return False
-        self._handing = True
-        self._idle.clear()
-        self._after_commit.start()
+        write = functools.partial(self._write, captured, write_fn, callbacks)
         try:
-            self._worker.hand(functools.partial(self._write, captured, write_fn, callbacks))
-        except BaseException:  # no thread to run it (e.g. at interpreter shutdown): nothing is in flight
-            self._after_commit.settle(committed=False)
-            self._idle.set()
+            self._after_commit.start()
+            self._worker.hand(write)
+        except BaseException:
+            # No thread to run it (at interpreter shutdown), or a signal handler raised (Ctrl-C) on the way. Handed,
+            # the write settles its actions itself, even if it has already returned; not handed, they are dropped.
+            if not self._worker.holds(write) and self._after_commit.state is WriteState.IN_FLIGHT:
+                self._after_commit.settle(committed=False)
             raise
-        finally:
-            self._handing = False
         return True
 
     def _capture(self, state: Any) -> Captured:
@@ -213,9 +209,9 @@ class AsyncSaver:
         local. After the write in flight, whose snapshot is in those buffers."""
         self._not_from_writer_thread("stage")
         with self._submitting:
-            self._submitter = threading.get_ident()  # a signal handler's save meanwhile is written at once
             try:
-                self._idle.wait()
+                self._submitter = threading.get_ident()  # a signal handler's save meanwhile is written at once
+                self._worker.wait()
                 self._worker.start()  # the first save does not pay for starting the writer thread
                 self._capture(example_state)
             finally:
@@ -228,8 +224,7 @@ class AsyncSaver:
         the write in flight (if one was handed: it holds older state, and must not commit over this one).
         The staging buffers are not touched: the interrupted snapshot may be half-way through them. Errors are
         raised here, as by a synchronous save."""
-        if not self._handing:
-            self._idle.wait()
+        self._worker.wait()
         result = write_fn(state)
         for cb in callbacks:
             cb(result)
@@ -255,8 +250,6 @@ class AsyncSaver:
         except BaseException as e:
             self._after_commit.settle(committed)
             self._record(e)
-        finally:
-            self._idle.set()
 
     def after_commit(self, action: Callable[[], None]) -> bool:
         """Run ``action`` once this rank's latest background write has committed; local.
@@ -284,7 +277,7 @@ class AsyncSaver:
         ``RuntimeError`` when called from the write itself (an ``on_commit`` callback), which would never return.
         """
         self._not_from_writer_thread("wait")
-        return self._idle.wait(timeout)
+        return self._worker.wait(timeout)
 
     def shutdown(self) -> None:
         """Wait for the write in flight, then stop this saver's thread; local. The saver stays usable."""

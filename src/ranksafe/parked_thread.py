@@ -1,4 +1,4 @@
-"""One thread kept for the background writes: started on first use, parked on a queue between jobs.
+"""One thread kept for the background writes: started on first use, parked between jobs.
 
 :class:`ParkedThread` serves :class:`~ranksafe.AsyncSaver`; the saver's exit hook joins it before the interpreter
 finalizes.
@@ -9,70 +9,110 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable
-from queue import SimpleQueue
 
 
-def _serve(jobs: SimpleQueue) -> None:
-    """The writer thread's life: run each job it is handed, until it is handed ``None``."""
+class _Slot:
+    """What the thread and its owner share: at most one job, and which thread serves it. Not the
+    :class:`ParkedThread` itself, so that the thread does not keep its owner alive."""
+
+    def __init__(self) -> None:
+        # reentrant: a signal handler on the owner's thread may hand or wait while that thread is in here
+        self.changed = threading.Condition(threading.RLock())
+        self.job: Callable[[], None] | None = None  # handed and not yet returned
+        self.thread: threading.Thread | None = None  # the thread that serves it; None once told to stop
+
+
+def _serve(slot: _Slot) -> None:
+    """The thread's life: run each job handed to it, until it is no longer the slot's thread."""
+    me = threading.current_thread()
     while True:
-        job = jobs.get()
-        if job is None:
-            return
-        job()
-        del job  # a parked thread must not keep its last job, and the saver that job refers to, alive
+        with slot.changed:
+            slot.changed.wait_for(lambda: slot.thread is not me or slot.job is not None)
+            if slot.thread is not me:
+                return
+            job = slot.job
+        try:
+            job()  # type: ignore[misc]  # not None: waited for
+        finally:
+            with slot.changed:
+                slot.job = None
+                slot.changed.notify_all()
+            del job  # a parked thread must not keep its last job, and the saver that job refers to, alive
 
 
-def _stop(jobs: SimpleQueue, thread: list[threading.Thread], guard: threading.Lock, join: bool) -> None:
-    """Hand the parked thread (if any) its ``None``; with ``join``, wait until it has exited. Under ``guard``, so a
-    job handed meanwhile goes to this thread before its ``None`` or to a new thread after it, never behind it."""
-    with guard:
-        if thread:
-            jobs.put(None)
-            if join:
-                thread[0].join()
-            thread.clear()
+def _stop(slot: _Slot, join: bool) -> None:
+    """Tell the slot's thread (if any) to stop; with ``join``, wait until it has exited. A job handed later goes to
+    a new thread."""
+    with slot.changed:
+        thread, slot.thread = slot.thread, None
+        slot.changed.notify_all()
+    if join and thread is not None and thread is not threading.current_thread():
+        thread.join()
 
 
 class ParkedThread:
-    """One thread, started on first use, then parked on a queue between jobs; stopped by :meth:`shutdown` or
-    when this object is garbage-collected.
+    """One thread, started on first use, then parked between jobs; stopped by :meth:`shutdown` or when this object
+    is garbage-collected. It runs one job at a time: :meth:`hand` refuses a second while the first runs.
+
+    A job is handed by one assignment, which the thread clears once the job has returned. So whatever interrupts
+    the owner (a signal handler raising ``KeyboardInterrupt`` half-way through :meth:`hand`), the job was either
+    handed or not, and :meth:`holds` says which: nothing is left waiting for a job that never comes, and no job
+    runs unnoticed.
 
     Parked, not started per job: ``Thread.start()`` waits until the new thread first runs, and every save would
     pay that wait. A daemon thread, so that a parked one never holds up interpreter exit. The exit hook of
-    :mod:`ranksafe.async_save` waits for the write in flight and joins the thread before the interpreter
+    :mod:`ranksafe.async_save` waits for the job in flight and joins the thread before the interpreter
     finalizes: a daemon thread still running then is killed where it stands, and if that is inside a C++
     destructor (of a tensor its last job freed), the process aborts.
     """
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._jobs: SimpleQueue = SimpleQueue()
-        self._thread: list[threading.Thread] = []  # zero or one; a list, shared with the finalizer
-        self._guard = threading.Lock()  # start/hand against stop: see _stop
-        finalizer = weakref.finalize(self, _stop, self._jobs, self._thread, self._guard, False)
+        self._slot = _Slot()
+        finalizer = weakref.finalize(self, _stop, self._slot, False)
         finalizer.atexit = False  # at exit, async_save._wait_at_exit joins it instead
 
     def start(self) -> None:
         """Start the thread unless it runs (waiting until it does, so the first job does not pay for it)."""
-        with self._guard:
+        with self._slot.changed:
             self._start()
 
     def _start(self) -> None:
-        if not self._thread:
-            t = threading.Thread(target=_serve, args=(self._jobs,), name=self.name, daemon=True)
-            t.start()
-            self._thread.append(t)
+        if self._slot.thread is None:
+            thread = threading.Thread(target=_serve, args=(self._slot,), name=self.name, daemon=True)
+            thread.start()
+            self._slot.thread = thread
+
+    @property
+    def busy(self) -> bool:
+        """Whether a job is handed and has not returned yet."""
+        return self._slot.job is not None
+
+    def holds(self, job: Callable[[], None]) -> bool:
+        """Whether ``job`` is handed and has not returned yet."""
+        return self._slot.job is job
 
     def is_current(self) -> bool:
         """Whether the caller runs on this thread (inside one of its jobs)."""
-        return bool(self._thread) and self._thread[0] is threading.current_thread()
+        return self._slot.thread is threading.current_thread()
 
     def hand(self, job: Callable[[], None]) -> None:
-        """Queue ``job`` for the thread (started if needed); returns at once."""
-        with self._guard:
+        """Give ``job`` to the thread (started if needed); returns at once. ``RuntimeError`` while a job runs."""
+        with self._slot.changed:
+            if self._slot.job is not None:
+                raise RuntimeError(f"{self.name}: a job is still running")
             self._start()
-            self._jobs.put(job)
+            self._slot.job = job  # handed, in one step
+            self._slot.changed.notify_all()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until no job runs; False on timeout."""
+        with self._slot.changed:
+            self._slot.changed.notify_all()  # in case :meth:`hand` was interrupted between its last two lines
+            return self._slot.changed.wait_for(lambda: self._slot.job is None, timeout)
 
     def shutdown(self) -> None:
-        """Stop the thread once its queued jobs are done, and wait for it. :meth:`hand` starts a new one."""
-        _stop(self._jobs, self._thread, self._guard, join=True)
+        """Wait for the job in flight, then stop the thread and wait until it has exited. :meth:`hand` starts a new
+        one."""
+        self.wait()
+        _stop(self._slot, join=True)
