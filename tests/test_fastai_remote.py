@@ -150,3 +150,27 @@ def test_a_csv_logger_on_remote_storage_is_refused_before_it_makes_a_local_folde
         local.fit(1, 1e-2)  # an absolute local file is fine
     assert (tmp_path / "history.csv").read_text().startswith("epoch,train_loss")
     assert os.listdir(tmp_path) == ["history.csv"], "fastai made learn.path's parent: a local folder 'memory:'"
+
+
+def test_storage_options_reach_a_checkpoint_dir_on_s3_and_stay_out_of_an_export(tmp_path, monkeypatch):
+    """``RankSafe(storage_options=...)``: the only way to the server here is the options (the environment names no
+    endpoint); a resumed fit reads its step back through them; an export never holds them (credentials)."""
+    monkeypatch.chdir(tmp_path)
+    with s3_server() as env:
+        options = {"endpoint_url": env["AWS_ENDPOINT_URL"], "key": "testing", "secret": "a-secret"}
+        monkeypatch.delenv("AWS_ENDPOINT_URL")
+        fsspec.filesystem("s3", **options).mkdir("fastai-opts")
+        learn = _learner(tmp_path, [RankSafe(checkpoint_dir="s3://fastai-opts/run", storage_options=options)])
+        with learn.no_bar(), learn.no_logging():
+            learn.fit(2, 1e-2)
+            learn.export()
+        steps = ranksafe.list_steps("s3://fastai-opts/run", storage_options=options)
+        assert [(s.step, s.status.value) for s in steps] == [(0, "committed"), (1, "committed")]
+        assert b"a-secret" not in (tmp_path / "export.pkl").read_bytes()
+        counted = Batches()
+        again = RankSafe(checkpoint_dir="s3://fastai-opts/run", storage_options=options)
+        resumed = _learner(tmp_path, [again, counted])
+        resumed.resume()
+        with resumed.no_bar(), resumed.no_logging():
+            resumed.fit(3, 1e-2)
+        assert counted.batches == len(resumed.dls.train)  # the third epoch only

@@ -98,3 +98,22 @@ def test_ddp_on_s3_fails_at_fit_start_for_a_missing_bucket_and_resumes_from_the_
         assert out["steps before failing"] == 0, "the bucket must fail the run before it trains"
         assert out["global step after fit 1"] == 2 and out["global step after fit 2"] == 4
     assert [(s.step, s.status) for s in steps] == [(2, "committed"), (4, "committed")]
+
+
+def test_storage_options_reach_a_checkpoint_dir_on_s3_and_its_resume(monkeypatch, tmp_path):
+    """``RankSafe(storage_options=...)``: the only way to the server here is the options (the environment names no
+    endpoint), and a resumed fit reads its step back through them."""
+    with s3_server() as env:
+        options = {"endpoint_url": env["AWS_ENDPOINT_URL"], "key": "testing", "secret": "testing"}
+        monkeypatch.delenv("AWS_ENDPOINT_URL")
+        fsspec.filesystem("s3", **options).mkdir("lightning-opts")
+        monkeypatch.chdir(tmp_path)  # Lightning's own ModelCheckpoint writes under the working directory
+        trainer = _trainer(2, [RankSafe(checkpoint_dir="s3://lightning-opts/run", storage_options=options)], [])
+        trainer.fit(Model(), _loader())
+        steps = ranksafe.list_steps("s3://lightning-opts/run", storage_options=options)
+        assert [(s.step, s.status.value) for s in steps] == [(4, "committed"), (8, "committed")]
+        counted = Steps()
+        cb = RankSafe(checkpoint_dir="s3://lightning-opts/run", storage_options=options, resume=True)
+        resumed = _trainer(3, [cb, counted], [])
+        resumed.fit(Model(), _loader())
+        assert (resumed.global_step, counted.steps) == (12, 4)  # from step 8: one epoch more

@@ -52,8 +52,8 @@ def _validating(learn: Learner) -> bool:
     return learn.lock.locked()
 
 
-_TRANSIENT = {"_fit": None, "_steps": None, "_lock": None, "_exported_ranks": False}
-"""RankSafe's attributes that belong to this process: never pickled."""
+_TRANSIENT = {"_fit": None, "_steps": None, "_lock": None, "_exported_ranks": False, "storage_options": None}
+"""RankSafe's attributes that belong to this process (or to its user: credentials): never pickled."""
 
 
 class RankSafe(Callback):
@@ -74,6 +74,9 @@ class RankSafe(Callback):
             ``learn.preempted`` True (later fits of the process then train nothing). The next run resumes there.
         save_interval_steps: also save every this many optimizer steps of the run, inside epochs.
         save_interval_seconds: also save when this many seconds passed since the last save (rank 0's clock).
+        storage_options: for a ``checkpoint_dir`` on remote storage: the options of its fsspec file system
+            (``endpoint_url``, ``profile``...); without them it is configured from the environment. Never pickled
+            (they may hold credentials): an exported Learner's RankSafe has none.
     """
 
     order = 55  # after Recorder (50) has recorded the epoch; before CSVLogger, LRFinder, trackers (60+)
@@ -90,6 +93,7 @@ class RankSafe(Callback):
         preemption: bool | Iterable[int] = False,
         save_interval_steps: int | None = None,
         save_interval_seconds: float | None = None,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         # refused when it is made (on every rank alike), not at the first fit
         preemption = preemption if isinstance(preemption, bool) else tuple(preemption)
@@ -109,6 +113,7 @@ class RankSafe(Callback):
         self._preempted = False
         self._installed: tuple[str, ...] = ()
         vars(self).update(_TRANSIENT)
+        self.storage_options = storage_options
         self._exported_ranks = prepare_distributed()  # fastai saw no job before this (see _refuse_training_alone)
 
     @property
@@ -235,6 +240,7 @@ class RankSafe(Callback):
             remote.joinpath(self.learn.path, self.checkpoint_dir), self.keep, self.storage,
             async_save=self.async_save, lock=self.state_lock, save_interval_steps=self.save_interval_steps,
             save_interval_seconds=self.save_interval_seconds, preemption=self.preemption,
+            storage_options=self.storage_options,
         )  # fmt: skip
 
     def before_epoch(self) -> None:

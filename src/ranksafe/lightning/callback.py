@@ -96,6 +96,8 @@ class RankSafe(SharedCheckpointIO, Callback):
             ``train_time_interval`` is given (then no epoch saves, as with ModelCheckpoint).
         storage: ``"auto"`` probes whether ``checkpoint_dir`` is shared by every rank or local to each node
             (then every node keeps its own copy); ``"shared"`` / ``"local"`` say so.
+        storage_options: for a ``checkpoint_dir`` on remote storage (``s3://bucket/run``): the options of its fsspec
+            file system (``endpoint_url``, ``profile``...); without them it is configured from the environment.
         resume: ``trainer.fit(model)`` without ``ckpt_path`` starts from the latest step committed on every
             node (:meth:`latest_checkpoint`), or from scratch when there is none. An explicit ``ckpt_path`` wins.
             ``None``: resume when ``preemption`` is on (a requeued job resumes where it stopped).
@@ -131,6 +133,7 @@ class RankSafe(SharedCheckpointIO, Callback):
         every_n_train_steps: int | None = None,
         train_time_interval: timedelta | float | None = None,
         preemption: bool | Iterable[int] = False,
+        storage_options: dict[str, Any] | None = None,
     ):
         seconds = _seconds(train_time_interval)
         positive_int("every_n_epochs", every_n_epochs)
@@ -154,7 +157,7 @@ class RankSafe(SharedCheckpointIO, Callback):
             self._steps_args = dict(
                 every_n_epochs=self.every_n_epochs, root=checkpoint_dir, keep=keep, storage=storage, timeout=timeout,
                 async_save=async_save, save_interval_steps=every_n_train_steps, save_interval_seconds=seconds,
-                preemption=preemption,
+                preemption=preemption, storage_options=storage_options,
             )  # fmt: skip
         self.lock = StateDictLock()  # the manager's snapshots take its read side; optimizer steps its write side
         self.steps = self._new_steps()
