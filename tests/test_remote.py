@@ -81,6 +81,13 @@ def test_prepare_dir_on_remote_storage(memory):
     assert memory.ls("/run", detail=False) == []
 
 
+def test_a_scheme_in_capitals_names_the_same_place(memory):
+    """Was: "S3://bucket/x: no file system for s3://", with s3fs installed (fsspec knows schemes in lower case)."""
+    ranksafe.save({"w": torch.arange(3.0)}, "Memory://caps/model.pth")
+    assert torch.equal(ranksafe.load("memory://caps/model.pth")["w"], torch.arange(3.0))
+    assert ranksafe.remote.canonical("MEMORY://caps/model.pth") == "memory://caps/model.pth"
+
+
 def test_a_url_without_a_file_system_is_refused_before_anything_is_written(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match=r"gs://bucket/m.pth \(rank 0\): no file system for gs://"):

@@ -35,7 +35,8 @@ TMP_SUFFIX = ".ranksafe-tmp"
 
 def split(path: str | os.PathLike) -> tuple[str | None, str]:
     """``(None, local path)`` or ``(scheme, URL)``. A ``file://`` URL is a local path; pathlib's ``s3:/bucket/x``
-    (what ``Path("s3://bucket/x")`` prints) is the URL ``s3://bucket/x``. Raises ``ValueError`` for fsspec's chained
+    (what ``Path("s3://bucket/x")`` prints) is the URL ``s3://bucket/x``; ``S3://bucket/x`` too (a scheme is
+    case-insensitive, fsspec knows it in lower case only). Raises ``ValueError`` for fsspec's chained
     URLs (``simplecache::s3://...``), which would otherwise pass for a local path."""
     path = os.fspath(path)
     if isinstance(path, bytes):
@@ -49,6 +50,7 @@ def split(path: str | os.PathLike) -> tuple[str | None, str]:
     if m is None:
         return None, path
     scheme = m["scheme"].lower()
+    path = scheme + path[len(scheme) :]
     if scheme == "file":
         parsed = urllib.parse.urlparse(path)
         if parsed.netloc in ("", "localhost"):
