@@ -4,8 +4,9 @@ CPython runs a Python signal handler (Ctrl-C's raises ``KeyboardInterrupt``) on 
 instruction only: on entering a Python function, when a call into C returns, and at a loop's back edge.
 :class:`InterruptAt` raises at the n-th such point of the code in the files it is given, so that a test can try
 every point of a short protocol, one run each, instead of hoping that a real signal lands in a window of a few
-instructions. The standard library's own windows (a lock taken and not yet released by ``with``) are left out:
-they are not ours to close.
+instructions. The entry of a function that our code calls counts (the handler runs before its first line); what
+runs inside the standard library does not: its own windows (a ``threading.Condition`` taken by ``with`` and not
+yet released) are not ours to close, only to stay out of.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class InterruptAt:
 
     def _trace(self, frame, event: str, arg):
         if not self._ours(frame):
+            if event == "call" and frame.f_back is not None and self._ours(frame.f_back):
+                self._point(frame, event)  # entering a function our code calls: a point of ours, not inside it
             return None
         if event == "call":
             frame.f_trace_opcodes = True

@@ -655,7 +655,7 @@ def test_a_writer_thread_that_cannot_start_leaves_nothing_in_flight(tmp_path, mo
 
 
 _INTERRUPTED = """
-import faulthandler, os, queue, sys, threading, torch
+import faulthandler, os, queue, sys, threading, time, torch
 sys.path.insert(0, {root!r})
 from ranksafe.async_save import AsyncSaver
 from ranksafe.checkpoint_file import load_file
@@ -684,8 +684,9 @@ class NaiveSaver:  # the usual hand-off: mark the saver busy, then give the job 
     def hand(self, job):
         self.jobs.put(job)
 
-    def wait(self, timeout):
-        return self.idle.wait(timeout)
+    @property
+    def in_flight(self):
+        return not self.idle.is_set()
 
 
 for make in (NaiveSaver, AsyncSaver):
@@ -693,17 +694,21 @@ for make in (NaiveSaver, AsyncSaver):
     saver.save(state, os.path.join(d, "warm.pt"))
     n = [0]
 
-    def after(where):  # the interrupted save: gone or committed, never in flight for ever
+    def after(where):  # the interrupted save: gone, or written without anyone waiting for it; never in flight for ever
         global saver
         n[0] += 1
-        if not saver.wait(timeout=5):
+        deadline = time.monotonic() + 5
+        while saver.in_flight and time.monotonic() < deadline:  # not wait(): the write must start by itself
+            time.sleep(0.002)
+        if saver.in_flight:
             counts["hung"] += 1
             print(make.__name__, "hung after an interrupt at", where, flush=True)
             saver = make()  # the stuck one is left behind: the next point gets a saver of its own
             return
         state["w"].fill_(n[0])  # and the next save holds the values it was given
         saver.save(state, os.path.join(d, "after.pt"))
-        saver.wait(timeout=5)
+        while saver.in_flight:
+            time.sleep(0.002)
         counts["wrong"] += float(load_file(os.path.join(d, "after.pt"))["w"][0]) != n[0]
 
     points = interrupt_each_point(
@@ -725,6 +730,77 @@ def test_ctrl_c_anywhere_in_a_save_leaves_no_write_in_flight_for_ever(tmp_path):
     assert naive[0] == "NaiveSaver" and int(naive[2]) >= 3 and int(naive[4]) >= 1, out.stdout
     assert ours[0] == "AsyncSaver" and int(ours[2]) >= 50, out.stdout  # every point of the hand-off, and more
     assert ours[4:] == ["0", "wrong", "0"], out.stdout
+
+
+_SHUTDOWN_WHILE_SAVING = """
+import os, sys, threading, torch
+from ranksafe.async_save import AsyncSaver
+sys.setswitchinterval(1e-5)  # threads change often: the saves land at every point of shutdown()
+saver, stop = AsyncSaver(), threading.Event()
+
+def keep_saving():
+    while not stop.is_set():
+        saver.save({{"w": torch.ones(2)}}, os.path.join({tmp!r}, "x.pt"))
+
+threading.Thread(target=keep_saving, daemon=True).start()
+for i in range(5000):
+    saver.shutdown()
+    if not saver.wait(2):
+        print("STRANDED at shutdown", i, flush=True)
+        os._exit(1)
+stop.set()
+print("NONE STRANDED", flush=True)
+os._exit(0)
+"""
+
+
+def test_a_save_from_another_thread_during_shutdown_is_written_not_stranded(tmp_path):
+    """Save and shutdown() are local calls, for any thread at any time. A write handed between shutdown()'s wait for
+    the write in flight and its stop of the thread found no thread to run it, and stayed in flight for ever."""
+    out = _script(_SHUTDOWN_WHILE_SAVING.format(tmp=str(tmp_path)), timeout=120)
+    assert out.returncode == 0 and "NONE STRANDED" in out.stdout, out.stdout + out.stderr[-3000:]
+
+
+_FORK_WHILE_THE_WRITER_HOLDS_ITS_LOCK = """
+import os, sys, threading, time, torch
+from ranksafe.async_save import AsyncSaver
+saver = AsyncSaver()
+saver.save({{"w": torch.zeros(3)}}, os.path.join({tmp!r}, "parent.pt"))
+saver.wait()
+held, release = threading.Event(), threading.Event()
+
+def hold():  # what the writer thread does for a moment each time it takes or ends a job
+    with saver._worker._slot.lock:
+        held.set()
+        release.wait(30)
+
+threading.Thread(target=hold, daemon=True).start()
+held.wait(10)
+pid = os.fork()
+if pid == 0:  # a DataLoader worker, say: it starts, and saves with threads of its own
+    saver.save({{"w": torch.ones(3)}}, os.path.join({tmp!r}, "child.pt"))
+    saver.close()
+    os._exit(0)
+release.set()
+for _ in range(200):
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        print("CHILD EXITED", status, flush=True)
+        break
+    time.sleep(0.05)
+else:
+    os.kill(pid, 9)
+    print("CHILD STUCK", flush=True)
+saver.close()
+"""
+
+
+def test_a_fork_while_the_writer_holds_its_lock_gives_a_child_that_saves(tmp_path):
+    """Before: the child's at-fork hook dropped the parent's writer, whose finalizer took the writer's lock, held by
+    a thread that does not exist in the child: the child hung inside os.fork()."""
+    out = _script(_FORK_WHILE_THE_WRITER_HOLDS_ITS_LOCK.format(tmp=str(tmp_path)), timeout=60)
+    assert out.returncode == 0 and "CHILD EXITED 0" in out.stdout, out.stdout + out.stderr[-3000:]
+    assert load_file(tmp_path / "child.pt")["w"].sum() == 3
 
 
 _FORK = """

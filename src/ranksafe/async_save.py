@@ -396,6 +396,7 @@ def _after_fork_in_child() -> None:
     """A forked child has none of the parent's threads: every saver gets its own, and nothing in flight (the
     parent's write is the parent's)."""
     for saver in list(_live):
+        saver._worker.abandon()
         saver._fresh_threads()
         # what the parent has to report is the parent's: a DataLoader worker would print it again at its exit
         saver._failure[0], saver._asked, saver.carried_by = None, set(), None

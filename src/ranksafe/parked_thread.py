@@ -16,8 +16,11 @@ class _Slot:
     :class:`ParkedThread` itself, so that the thread does not keep its owner alive."""
 
     def __init__(self) -> None:
-        # reentrant: a signal handler on the owner's thread may hand or wait while that thread is in here
-        self.changed = threading.Condition(threading.RLock())
+        # Taken with ``with lock``, not ``with changed``: the lock's own enter and exit are C, where no signal
+        # handler runs, and Condition's are Python, where one could raise before the release. Re-entrant: a signal
+        # handler on the owner's thread may hand or wait while that thread holds it.
+        self.lock = threading.RLock()
+        self.changed = threading.Condition(self.lock)
         self.job: Callable[[], None] | None = None  # handed and not yet returned
         self.thread: threading.Thread | None = None  # the thread that serves it; None once told to stop
 
@@ -26,24 +29,25 @@ def _serve(slot: _Slot) -> None:
     """The thread's life: run each job handed to it, until it is no longer the slot's thread."""
     me = threading.current_thread()
     while True:
-        with slot.changed:
+        with slot.lock:
             slot.changed.wait_for(lambda: slot.thread is not me or slot.job is not None)
-            if slot.thread is not me:
+            if slot.thread is not me:  # stopped only with no job in the slot: a later one is a new thread's
                 return
             job = slot.job
         try:
             job()  # type: ignore[misc]  # not None: waited for
         finally:
-            with slot.changed:
+            with slot.lock:
                 slot.job = None
                 slot.changed.notify_all()
             del job  # a parked thread must not keep its last job, and the saver that job refers to, alive
 
 
 def _stop(slot: _Slot, join: bool) -> None:
-    """Tell the slot's thread (if any) to stop; with ``join``, wait until it has exited. A job handed later goes to
-    a new thread."""
-    with slot.changed:
+    """Wait for the job in the slot (if any), then tell the slot's thread to stop, in one hold of the lock: a job
+    handed in between would find no thread to run it. With ``join``, wait until the thread has exited."""
+    with slot.lock:
+        slot.changed.wait_for(lambda: slot.job is None)
         thread, slot.thread = slot.thread, None
         slot.changed.notify_all()
     if join and thread is not None and thread is not threading.current_thread():
@@ -69,12 +73,12 @@ class ParkedThread:
     def __init__(self, name: str) -> None:
         self.name = name
         self._slot = _Slot()
-        finalizer = weakref.finalize(self, _stop, self._slot, False)
-        finalizer.atexit = False  # at exit, async_save._wait_at_exit joins it instead
+        self._finalizer = weakref.finalize(self, _stop, self._slot, False)
+        self._finalizer.atexit = False  # at exit, async_save._wait_at_exit joins it instead
 
     def start(self) -> None:
         """Start the thread unless it runs (waiting until it does, so the first job does not pay for it)."""
-        with self._slot.changed:
+        with self._slot.lock:
             self._start()
 
     def _start(self) -> None:
@@ -98,21 +102,26 @@ class ParkedThread:
 
     def hand(self, job: Callable[[], None]) -> None:
         """Give ``job`` to the thread (started if needed); returns at once. ``RuntimeError`` while a job runs."""
-        with self._slot.changed:
+        with self._slot.lock:
             if self._slot.job is not None:
                 raise RuntimeError(f"{self.name}: a job is still running")
             self._start()
-            self._slot.job = job  # handed, in one step
+            # woken first, so that the job is handed awake or not at all: the thread waits for this lock, and then
+            # finds the job (no signal handler runs between a Python call's return and the assignment)
             self._slot.changed.notify_all()
+            self._slot.job = job  # handed, in one step
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until no job runs; False on timeout."""
-        with self._slot.changed:
-            self._slot.changed.notify_all()  # in case :meth:`hand` was interrupted between its last two lines
+        with self._slot.lock:
             return self._slot.changed.wait_for(lambda: self._slot.job is None, timeout)
 
     def shutdown(self) -> None:
         """Wait for the job in flight, then stop the thread and wait until it has exited. :meth:`hand` starts a new
         one."""
-        self.wait()
         _stop(self._slot, join=True)
+
+    def abandon(self) -> None:
+        """In a forked child: forget the parent's thread, which does not exist here, without taking the slot's lock,
+        which that thread may have held at the fork. The child's owner makes a new :class:`ParkedThread`."""
+        self._finalizer.detach()
