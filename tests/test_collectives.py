@@ -278,6 +278,43 @@ def test_an_abort_withdrawn_while_a_rank_gives_up_does_not_fail_a_complete_excha
     assert values[0] == values[1] == ["ok", "ok"]
 
 
+class _SlowAbortReads:
+    """A store whose reads of an abort take a second: the time between a waiting rank's check of the key and its
+    get, in which rank 0 may withdraw that abort."""
+
+    def __init__(self, store):
+        self._store = store
+
+    def get(self, key):
+        if "/abort/" in key:
+            time.sleep(1.0)
+        return self._store.get(key)
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+def _abort_withdrawn_while_read(rank):
+    ranksafe.barrier("warm")
+    if rank == 1:  # fails, catches its error and goes on; reads aborts slowly from here
+        collectives.abort(OSError(28, "disk full (rank 1 caught it and goes on)"))
+        protocol._session.store = _SlowAbortReads(protocol._session.store)
+    else:
+        time.sleep(2.5)  # rank 0 arrives after rank 1's grace: rank 1 reads the aborts, rank 0 withdraws them
+    start = time.monotonic()
+    out = _outcome(lambda: ranksafe.barrier("every rank arrives"))
+    return out, time.monotonic() - start
+
+
+def test_an_abort_withdrawn_while_another_rank_reads_it_leaves_no_rank_waiting_for_the_store():
+    """Before: rank 0 deleted the stale abort between rank 1's check of its key and the get, and a get of a missing
+    key waits for the store's timeout (the process group's, 30 minutes by default; 8 s here). Rank 0 went on, and
+    rank 1 raised "lost the rendezvous store" after it."""
+    values = run_ranks(_abort_withdrawn_while_read, 2, timeout=60, env={"TEST_PG_TIMEOUT": "8"}).values
+    assert [v[0] for v in values] == ["ok", "ok"], values
+    assert values[1][1] < 6, values  # rank 1 waited for rank 0's arrival (2.5 s) and its reads, not the store
+
+
 def _fails_catches_and_goes_on(rank, path):
     """Rank 1 fails alone, catches its error and goes on to an emergency save; rank 0 waits for the next epoch."""
     out = []

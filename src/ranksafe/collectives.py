@@ -283,9 +283,12 @@ def _stay_for_the_others(s: Session) -> None:
     marker (a collective only they reach), and raised "lost the rendezvous store", naming no cause.
     """
     deadline = time.monotonic() + EXIT_WAIT
-    others = [s.abort_key(r) for r in s.present if r != 0]
+    others = [r for r in s.present if r != 0]
     with contextlib.suppress(dist.DistError):
-        while others and not s.store.check(others) and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            others = [r for r in others if s.standing_abort(r) is None]
+            if not others:
+                break
             time.sleep(0.01)
 
 

@@ -75,6 +75,10 @@ def default_timeout() -> float:
 # -- the session: this process's state in one process group -----------------------------------------------
 
 
+_WITHDRAWN = b"ranksafe: withdrawn"
+"""What a withdrawn abort's key holds (a pickle never starts so)."""
+
+
 class Session:
     """Per-process-group state: the store, a key prefix unique to this group's lifetime, the call count."""
 
@@ -99,6 +103,14 @@ class Session:
     def abort_key(self, rank: int) -> str:
         """Rank ``rank``'s :class:`Abort`."""
         return f"{self.prefix}abort/{rank}"
+
+    def standing_abort(self, rank: int) -> Abort | None:
+        """Rank ``rank``'s :class:`Abort`, unless it has none or it was withdrawn (:func:`_clear_stale_aborts`)."""
+        key = self.abort_key(rank)
+        if not self.store.check([key]):
+            return None
+        data = self.store.get(key)
+        return None if data == _WITHDRAWN else pickle.loads(data)
 
     def current(self) -> bool:
         """Whether this session belongs to the process group in use now."""
@@ -319,9 +331,8 @@ def _missing(s: Session, keys: _Keys) -> list[int]:
 
 
 def _aborts(s: Session) -> list[Abort]:
-    """The aborts posted now, in rank order."""
-    keys = [s.abort_key(r) for r in range(s.world)]
-    return [pickle.loads(s.store.get(k)) for k in keys if s.store.check([k])]
+    """The aborts standing now, in rank order."""
+    return [a for r in range(s.world) if (a := s.standing_abort(r)) is not None]
 
 
 def _gone(s: Session, keys: _Keys) -> list[Failure]:
@@ -338,9 +349,10 @@ def _clear_stale_aborts(s: Session) -> None:
     if s.store.add(s.aborts_key, 0) <= 0:
         return
     for r in range(s.world):
-        key = s.abort_key(r)
-        if s.store.check([key]) and pickle.loads(s.store.get(key)).at < s.seq:
-            s.store.delete_key(key)
+        if (standing := s.standing_abort(r)) is not None and standing.at < s.seq:
+            # overwritten, not deleted: a waiting rank may be reading it (between its check and its get), and a
+            # get of a deleted key waits for the store's timeout
+            s.store.set(s.abort_key(r), _WITHDRAWN)
             s.store.add(s.aborts_key, -1)
 
 
@@ -373,10 +385,9 @@ def post_abort(failure: Failure, replace: bool) -> None:
         if _session is None or not _session.current():
             _session = Session()  # the host exchange waits for the next collective, which will raise
         s = _session
-        key = s.abort_key(s.rank)
-        posted = s.store.check([key])
+        posted = s.standing_abort(s.rank) is not None
         if posted and not replace:
             return
-        s.store.set(key, pickle.dumps(Abort(s.seq, failure)))
+        s.store.set(s.abort_key(s.rank), pickle.dumps(Abort(s.seq, failure)))
         if not posted:
             s.store.add(s.aborts_key, 1)
