@@ -195,7 +195,9 @@ def test_a_save_costs_three_exchanges_and_no_file_calls_on_non_writers(tmp_path,
         assert v["exchanges"] == [3] * 9, f"rank {rank}"  # the same with 2 and 4 ranks
         if v["writer"]:
             assert v["fs"] > 0  # the counter sees the writer's calls
-            assert sorted(v["listing"]) == ["step_00000008", "step_00000009"]  # keep=2 over 10 saves
+            # keep=2 over 10 saves; with a writer per node the newest counts from the next save on
+            kept = ["step_00000008", "step_00000009"] if shared else ["step_00000007", "step_00000008", "step_00000009"]
+            assert sorted(v["listing"]) == kept
         else:
             assert v["fs"] == 0, f"rank {rank} made {v['fs']} file-system calls during saves"
     assert [v["writer"] for v in values] == ([True, False] if shared else [True, False, True, False])
@@ -502,10 +504,49 @@ def test_a_step_one_node_failed_to_commit_holds_no_resumed_save_back_on_the_node
     for v in values:
         assert v["failed"] == "RankFailure[OSError]" and (v["latest"], v["w"]) == (10, 10.0), v
         assert "refused" not in v, v["refused"]
-    assert values[0]["resumed"] == ["step_00000011", "step_00000012", "step_00000020"]  # kept: 11, 12 and the stray
-    assert values[1]["resumed"] == ["step_00000011", "step_00000012"]
+    # keep=2 counts the steps every node is known to hold, so the newest (12) waits for the next save to count
+    assert values[0]["resumed"] == ["step_00000010", "step_00000011", "step_00000012", "step_00000020"]  # and the stray
+    assert values[1]["resumed"] == ["step_00000010", "step_00000011", "step_00000012"]
     for v in values:  # step 20 saved again, whole, on both nodes: it counts again
-        assert v["again"] == (20, ["step_00000012", "step_00000020"]), v
+        assert v["again"] == (20, ["step_00000011", "step_00000012", "step_00000020"]), v
+
+
+def _commit_fails_on_one_node_then_damage(rank, base):
+    import resource
+
+    root = as_node(rank, 1, base)  # two nodes of one rank each, each with its own disk
+    mgr = CheckpointManager(root, keep=2, storage="local")
+    for step in (1, 2):
+        mgr.save(step, _state(step))
+    if rank == 1:  # node 1's disk fills up (EFBIG, even for root) during step 3
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+    with pytest.raises(ranksafe.RankFailure, match="commit failed on rank 1"):
+        mgr.save(3, {"w": torch.zeros(1 << 16)})
+    resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    held = sorted(os.listdir(root))
+    if rank == 0:  # then step 2 rots on node 0
+        state = pathlib.Path(root, "step_00000002", "state.pt")
+        data = bytearray(state.read_bytes())
+        data[-100] ^= 0xFF
+        state.write_bytes(bytes(data))
+    resumed = CheckpointManager(root, keep=2, storage="local")
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        try:
+            w = resumed.load(fallback=True)["w"][0].item()
+        except ranksafe.RankFailure as e:
+            w = type(e).__name__
+    return {"held": held, "w": w}
+
+
+def test_a_commit_that_fails_on_one_node_leaves_every_node_keep_steps_to_fall_back_to(tmp_path):
+    """Before: node 0 committed step 3 and deleted step 1 at once (keep=2), while node 1's commit of step 3 failed.
+    The nodes then had one step in common (2), and when it was damaged, the resume had nothing to fall back to:
+    RankFailure[CorruptCheckpoint] on every rank, though step 1 had been committed everywhere."""
+    values = run_ranks(_commit_fails_on_one_node_then_damage, 2, args=(str(tmp_path),), timeout=120).values
+    assert values[0]["held"] == ["step_00000001", "step_00000002", "step_00000003"]  # was: 2 and 3
+    assert values[1]["held"] == ["step_00000001", "step_00000002"]
+    assert [v["w"] for v in values] == [1.0, 1.0]  # fell back over the damaged step 2 to step 1
 
 
 _FULL_DISK_CHILD = textwrap.dedent(

@@ -111,7 +111,8 @@ class CheckpointManager:
     :meth:`step_dir` and :meth:`step_of`. ``storage``: ``auto`` probes once whether ``root`` is shared or
     node-local (:mod:`ranksafe.storage`); ``shared`` / ``local`` say so. ``keep``: committed steps to keep (``None``:
     all); only writers delete, never the newest committed step or one being loaded, and never before the
-    new step is committed.
+    new step is committed. With a writer per node, the new step counts only from the next save on (until every
+    node is known to hold it), so each node keeps up to ``keep + 1``.
 
     ``async_save``: :meth:`save` returns once the state is snapshotted; the writer commits in the background
     (one save in flight: the next save, :meth:`latest` and :meth:`load` wait for it first). ``lock``: the
@@ -288,9 +289,16 @@ class CheckpointManager:
         if part is not None:
             part.agreed()  # every rank writes its part now, or in the background (then the writer commits there)
         if self._saver is None:
-            with together(f"checkpoint {step}: commit", self.timeout):
-                if where.writer:
-                    self._commit(commit, tx, writer_files)
+            committed = False
+            try:
+                with together(f"checkpoint {step}: commit", self.timeout):
+                    if where.writer:
+                        self._commit(commit, tx, writer_files)
+                        committed = True
+            except BaseException:
+                if committed and tx.copies > 1:  # another writer's commit failed: the other nodes may lack it
+                    self._passed_over.add(step)
+                raise
         elif where.writer and part is None:  # the snapshot of writer_files is taken now; check() reports a failure
             self._submit(commit, tx, writer_files)
 
@@ -391,6 +399,7 @@ class CheckpointManager:
             if group == where.group:
                 tx.entries.update(entries)
         tx.metrics = posted[0][3]  # rank 0's, on every node
+        tx.copies = len({group for group, *_ in posted})
         self.schedule.saved()
 
     def _commit(self, commit: DirCommit, tx: StepWriter, writer_files: Mapping[str, Any]) -> str:
@@ -410,7 +419,7 @@ class CheckpointManager:
         except BaseException:
             commit.abort()
             raise
-        self._retain(newest=tx.step)
+        self._retain(newest=tx.step, confirmed=tx.copies == 1)
         return name_of(commit.final)
 
     def _shards(self, shards: dict[str, Any], commit: DirCommit, tx: StepWriter, writer: bool) -> StepShards:
@@ -458,14 +467,18 @@ class CheckpointManager:
                 tx.save(state, _shard(topology.rank()))
         return self.step_dir(step)
 
-    def _retain(self, newest: int) -> None:
+    def _retain(self, newest: int, confirmed: bool) -> None:
         """Delete what :attr:`retention` no longer keeps, now that ``newest`` is committed (writers only). When a
         step's metric cannot be read now, nothing is deleted until a later save can rank the steps: deleting on a
         guess could take the best step. Steps passed over (damaged, or on this node only) are not ranked: with a
-        ``keep``, those below ``newest`` are deleted, as no load will take them."""
+        ``keep``, those below ``newest`` are deleted, as no load will take them.
+
+        ``confirmed``: ``newest`` is known to be committed wherever it is read (one writer). With a writer per node,
+        another node's commit of it may still fail: it is kept without being ranked until the next save, so that
+        the steps every node holds are never fewer than ``keep`` (a load falls back to the older ones)."""
         metric = functools.partial(self._metrics.value, name=self.retention.best_metric)
         committed = self._dirs.committed()
-        ranked = [s for s in committed if s not in self._passed_over]
+        ranked = [s for s in committed if s not in self._passed_over and (confirmed or s != newest)]
         try:
             doomed = self.retention.doomed(ranked, newest, self._loading, metric)
         except OSError as e:
