@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -829,3 +831,49 @@ def test_a_failure_already_shared_keeps_its_type_and_ctrl_c_stays_what_it_is(tmp
         assert seen["nested"] == (True, 20, "RankFailure[NotADirectoryError]"), seen
     assert r0["interrupt"] == "KeyboardInterrupt"
     assert r1["interrupt"] == "Exception: RankFailure [0]"  # the others: a failure on rank 0, named
+
+
+_FORKED_RANKS = """
+import os, socket, sys, time
+import torch.multiprocessing as mp
+if {in_parent}:
+    import ranksafe  # as under Lightning's ddp_fork: imported before the ranks are forked
+
+
+def rank_main(rank, port, out):
+    import torch.distributed as dist
+    import ranksafe
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=rank, world_size=2)
+    ranksafe.barrier("warm")
+    if rank == 1:
+        return  # rank 1's script ends here (a forked rank ends with os._exit, which skips atexit)
+    start = time.monotonic()
+    try:
+        ranksafe.barrier("only rank 0 reaches this")
+        got = "ok"
+    except ranksafe.RankFailure as e:
+        got = str(e)
+    with open(out, "w") as f:
+        f.write(f"{{time.monotonic() - start:.1f}} {{got}}")
+
+
+if __name__ == "__main__":
+    os.environ["RANKSAFE_TIMEOUT"] = "30"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(rank_main, args=(port, sys.argv[1]), nprocs=2, start_method="fork")
+"""
+
+
+@pytest.mark.parametrize("in_parent", [False, True], ids=["imported-in-the-rank", "imported-before-the-fork"])
+def test_a_rank_that_ends_in_a_forked_launcher_is_named_at_once_not_waited_for(tmp_path, in_parent):
+    """Ranks forked by multiprocessing end with os._exit, which skipped the exit hook that says a rank is gone: rank 0
+    waited the whole timeout (30 s here, 30 minutes by default) for a rank that had ended, and then blamed nobody."""
+    script, out = tmp_path / "forked.py", tmp_path / "rank0.txt"
+    script.write_text(_FORKED_RANKS.format(in_parent=in_parent))
+    done = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seconds, got = out.read_text().split(" ", 1)
+    assert "rank 1: Exited: the process ended without reaching this collective" in got, got
+    assert float(seconds) < 10, got

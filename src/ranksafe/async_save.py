@@ -12,9 +12,7 @@ thread itself never runs a collective: it would race the training thread's colle
 
 from __future__ import annotations
 
-import atexit
 import functools
-import multiprocessing.util
 import os
 import sys
 import threading
@@ -32,6 +30,7 @@ from .files import local_path
 from .lock import StateDictLock
 from .notice import StepNotice
 from .parked_thread import ParkedThread
+from .process_exit import at_exit
 from .saver_failures import check_savers, poll_savers
 from .saving import Writer, is_writer
 from .sharded import refuse_sharded
@@ -402,12 +401,5 @@ def _after_fork_in_child() -> None:
         saver._failure[0], saver._asked, saver.carried_by = None, set(), None
 
 
-def _exit_hook_in_process_child(_: object) -> None:
-    """In a process multiprocessing forked (its registry of exit handlers starts empty): wait at its exit too."""
-    multiprocessing.util.Finalize(None, _wait_at_exit, exitpriority=100)
-
-
-atexit.register(_wait_at_exit)
+at_exit(_wait_at_exit, priority=100)  # before collectives' hook: a write in flight is not a rank that is gone
 os.register_at_fork(after_in_child=_after_fork_in_child)
-_FORK_HOOK_OWNER = threading.Event()  # any long-lived object: multiprocessing keeps its after-fork hooks by weakref
-multiprocessing.util.register_after_fork(_FORK_HOOK_OWNER, _exit_hook_in_process_child)

@@ -12,7 +12,6 @@ their next collective within seconds instead of waiting for the timeout.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import math
 import socket
@@ -27,6 +26,7 @@ from . import topology
 from .choice import Choice
 from .errors import Failure, RankFailure, rank_failure
 from .exchange import Session, checked_timeout, default_timeout, exchange, existing_session, post_abort
+from .process_exit import at_exit
 
 __all__ = [
     "AgreeOp", "abort", "abort_on_error", "agree", "all_gather", "barrier", "broadcast", "checked_timeout",
@@ -259,7 +259,6 @@ def abort_on_error() -> Iterator[None]:
         raise
 
 
-@atexit.register
 def _at_exit() -> None:
     """At exit, a rank that took part in a ranksafe collective of this group says it is gone, as :func:`abort`
     does (a rank that posted a failure keeps it): a collective it never reaches (a call guarded by
@@ -272,6 +271,9 @@ def _at_exit() -> None:
     post_abort(Failure(s.rank, EXITED, "the process ended without reaching this collective"), replace=False)
     if s.rank == 0:
         _stay_for_the_others(s)
+
+
+at_exit(_at_exit, priority=50)  # also in a forked launcher's ranks, which end with os._exit
 
 
 def _stay_for_the_others(s: Session) -> None:
