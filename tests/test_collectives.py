@@ -488,6 +488,31 @@ def test_a_reduction_that_cannot_combine_the_values_is_one_error_on_every_rank()
     assert run_ranks(_mixed_types, 2).values == [("RankFailure[TypeError]", [0])] * 2
 
 
+def _unpicklable(rank):
+    import threading
+
+    out = []
+    for call in (
+        lambda: ranksafe.broadcast(threading.Lock() if rank == 1 else None, src=1),  # a value rank 1 cannot post
+        lambda: protocol.exchange("reduced", rank, lambda _: threading.Lock()),  # an outcome rank 0 cannot post
+        lambda: ranksafe.barrier("still in step"),
+    ):
+        start = time.monotonic()
+        try:
+            call()
+            out.append("ok")
+        except ranksafe.RankFailure as e:
+            out.append((type(e).__name__, e.ranks, time.monotonic() - start < 5))
+    return out
+
+
+def test_a_value_or_outcome_that_cannot_be_pickled_is_one_error_on_every_rank_at_once():
+    """Before: the rank that could not pickle raised TypeError alone, before posting; the others waited the whole
+    timeout (20 s here) and named it as missing, and the ranks stayed one exchange apart."""
+    values = run_ranks(_unpicklable, 2, env={"RANKSAFE_TIMEOUT": "20"}, timeout=120).values
+    assert values == [[("RankFailure[TypeError]", [1], True), ("RankFailure[TypeError]", [0], True), "ok"]] * 2
+
+
 def test_exchange_outcome_in_a_single_process_returns_the_reduction_or_raises_the_error_itself(monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
         monkeypatch.delenv(var, raising=False)

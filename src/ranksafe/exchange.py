@@ -217,11 +217,26 @@ def _exchange_in(
         s.seq += 1
         keys = _Keys.of(s, s.seq)
         try:
-            s.store.set(keys.posts[s.rank], pickle.dumps((name, value)))
+            s.store.set(keys.posts[s.rank], _post(s, name, value))
             outcome = _lead(s, keys, reduce, timeout) if s.rank == 0 else _follow(s, keys, timeout)
         except dist.DistError as e:
             raise lost_store(s, what, e) from e
     return outcome.settle(what, timeout)
+
+
+@dataclass(frozen=True)
+class _Unposted:
+    """Posted in place of a value that cannot be pickled: rank 0 decides its failure for every rank, where raising on
+    the spot would fail this rank alone and leave the others waiting for its post."""
+
+    failure: Failure
+
+
+def _post(s: Session, name: str, value: Any) -> bytes:
+    try:
+        return pickle.dumps((name, value))
+    except Exception as e:  # pickle raises TypeError, AttributeError, PicklingError... for what it cannot take
+        return pickle.dumps((name, _Unposted(Failure.from_exception(s.rank, e))))
 
 
 def _decide(s: Session, keys: _Keys, proposal: Outcome | None) -> Outcome:
@@ -232,7 +247,11 @@ def _decide(s: Session, keys: _Keys, proposal: Outcome | None) -> Outcome:
     """
     if proposal is None:
         return pickle.loads(s.store.get(keys.outcome))
-    return pickle.loads(s.store.compare_set(keys.outcome, "", pickle.dumps(proposal)))
+    try:
+        data = pickle.dumps(proposal)
+    except Exception as e:  # a reduction that returned what cannot be pickled: no rank gets it
+        data = pickle.dumps(Failed((Failure.from_exception(s.rank, e),)))
+    return pickle.loads(s.store.compare_set(keys.outcome, "", data))
 
 
 def _lead(s: Session, keys: _Keys, reduce: Callable[[list], Any], timeout: float) -> Outcome:
@@ -273,6 +292,8 @@ def _reduce(s: Session, keys: _Keys, reduce: Callable[[list], Any]) -> Outcome:
         fresh = tuple(a.failure for a in _aborts(s) if a.at >= s.seq - 1)
         return Failed(fresh) if fresh else Diverged(names)
     _clear_stale_aborts(s)
+    if unposted := tuple(v.failure for _, v in posted if isinstance(v, _Unposted)):
+        return Failed(unposted)
     try:
         return Agreed(reduce([v for _, v in posted]))
     except Exception as e:  # a reduction that cannot combine the values (e.g. max of mixed types)
