@@ -103,7 +103,7 @@ def _child(
         os.close(out)
     if launch_env:  # like torchrun
         os.environ.update(
-            RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+            RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0",
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
         )  # fmt: skip
     res = RankResult(rank)

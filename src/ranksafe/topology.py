@@ -16,7 +16,9 @@ import torch.distributed as dist
 _RANK_VARS = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 _WORLD_VARS = ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 _LOCAL_RANK_VARS = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
-_NODE_VARS = ("GROUP_RANK", "NODE_RANK", "SLURM_NODEID", "OMPI_COMM_WORLD_NODE_RANK")
+# Open MPI's OMPI_COMM_WORLD_NODE_RANK is not one: it numbers the processes on a node. Open MPI and MPICH say no
+# node index, which the host-name exchange then learns.
+_NODE_VARS = ("GROUP_RANK", "NODE_RANK", "SLURM_NODEID")
 
 # Filled by the collectives layer on the first collective of a process group, when the launcher set no
 # local-rank variable: (process group id, local rank, node index) from an exchange of host names.
@@ -97,8 +99,9 @@ def is_local_main() -> bool:
 
 
 def needs_host_exchange() -> bool:
-    """Whether local rank / node must be learned from the other ranks (no launcher variable)."""
-    return _env_int(_LOCAL_RANK_VARS) is None and _exchanged_for_current_group() is None
+    """Whether local rank or node must be learned from the other ranks (no launcher variable says one of them)."""
+    unsaid = _env_int(_LOCAL_RANK_VARS) is None or _env_int(_NODE_VARS) is None
+    return unsaid and _exchanged_for_current_group() is None
 
 
 def record_host_exchange(hosts: list[str]) -> None:
