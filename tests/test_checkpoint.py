@@ -637,6 +637,16 @@ def test_another_managers_steps_under_a_longer_prefix_are_not_its_debris(tmp_pat
     assert sorted(os.listdir(tmp_path)) == [".step_best_00000005.ranksafe-partial", "step_00000001", "step_00000003"]
 
 
+def test_a_prefix_ending_in_a_digit_is_refused_before_it_mixes_its_steps_with_another_prefixs(tmp_path):
+    """Before: with managers of "ckpt" and "ckpt1" under one root, step 7 of "ckpt1" was step 100000007 of "ckpt":
+    its latest(), load() and retention took the other manager's step."""
+    for make in (lambda: CheckpointManager(tmp_path, prefix="ckpt1"), lambda: list_steps(tmp_path, prefix="ckpt1")):
+        with pytest.raises(ValueError, match="step prefix 'ckpt1' ends with a digit"):
+            make()
+    CheckpointManager(tmp_path, prefix="ckpt1_").save(7, _state(7))
+    assert CheckpointManager(tmp_path, prefix="ckpt").latest() is None
+
+
 def test_a_step_removed_while_it_is_listed_is_left_out(tmp_path, monkeypatch):
     """Retention or a commit may remove a step between the listing and the look at it; ``ls`` raised."""
     mgr = CheckpointManager(tmp_path, keep=None)

@@ -128,6 +128,11 @@ class StepDirs:
 
     def __init__(self, base: Place, prefix: str):
         check_name(prefix + "0", "step prefix")
+        if prefix[-1:].isdigit():  # "ckpt1" + "00000007" is also "ckpt" + "100000007": a manager of "ckpt" took it
+            raise ValueError(
+                f"step prefix {prefix!r} ends with a digit: its steps' names would read as steps of another prefix "
+                f"({prefix[:-1]!r}), which would load or delete them; end it with another character ({prefix + '_'!r})"
+            )
         self.base, self.prefix = base, prefix
         suffixes = "|".join(map(re.escape, (AtomicDir.PARTIAL, AtomicDir.OLD)))
         self._name = re.compile(rf"^(\.)?{re.escape(prefix)}(\d+)({suffixes})?$")
