@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -71,6 +72,12 @@ def test_verify_files_and_step_directories(tmp_path, capsys):
     code, out = _cli(capsys, "ls", str(tmp_path / "run"), "--deep")  # a corrupt step fails a script that checks
     lines = out.splitlines()
     assert code == 1 and "committed" in lines[1] and "corrupt" in lines[2] and "checksum" in lines[3], out
+
+    # a crash after the manifest and before the rename leaves a sound-looking directory that is no step: was "OK"
+    partial = tmp_path / "run" / ".step_00000001.ranksafe-partial"
+    shutil.copytree(manager.step_dir(1), partial)
+    code, out = _cli(capsys, "verify", str(partial))
+    assert code == 1 and out.startswith(f"BAD {partial}: not committed: a save in progress"), out
 
 
 def test_doctor_under_torchrun(tmp_path):

@@ -14,7 +14,7 @@ import time
 
 from . import remote
 from .checkpoint_file import load_file, verify_file
-from .commit import MANIFEST, verify_step
+from .commit import MANIFEST, AtomicDir, verify_step
 from .errors import CorruptCheckpoint, UntrustedCheckpoint
 from .steps import StepStatus, list_steps
 
@@ -47,6 +47,16 @@ def _kind(path: str) -> str:
     return "step" if os.path.exists(os.path.join(path, MANIFEST)) else "root" if list_steps(path) else "directory"
 
 
+def _uncommitted(step_dir: str) -> str | None:
+    """Why a directory that holds a manifest is not a committed step, by its name; None when it may be one."""
+    name = os.path.basename(step_dir.rstrip("/"))
+    if name.endswith(AtomicDir.PARTIAL):
+        return "not committed: a save in progress, or what a crashed one left (the next save removes it)"
+    if name.endswith(AtomicDir.OLD):
+        return "not committed: a step set aside while it was saved again (the manager puts it back if need be)"
+    return None
+
+
 def verify(path: str) -> int:
     """Check a checkpoint file (footer, or zip structure for stock files) or a step directory (manifest)."""
     try:
@@ -56,6 +66,9 @@ def verify(path: str) -> int:
                 f"BAD {path}: a checkpoint root, not a step: `ranksafe ls {path} --deep` checks every step",
                 file=sys.stderr,
             )
+            return 1
+        if kind == "step" and (uncommitted := _uncommitted(path)):
+            print(f"BAD {path}: {uncommitted}", file=sys.stderr)
             return 1
         if kind != "file":
             manifest = verify_step(path, deep=True)
