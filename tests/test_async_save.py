@@ -803,6 +803,50 @@ def test_a_fork_while_the_writer_holds_its_lock_gives_a_child_that_saves(tmp_pat
     assert load_file(tmp_path / "child.pt")["w"].sum() == 3
 
 
+_FORK_WHILE_THE_WRITER_PICKLES = """
+import os, time, torch
+from ranksafe.async_save import AsyncSaver
+from ranksafe.checkpoint_file import atomic_save, load_file
+
+
+class SlowToPickle:  # a large non-tensor part of a state: the background write pickles it for a while
+    def __deepcopy__(self, memo):
+        return SlowToPickle()
+
+    def __reduce__(self):
+        time.sleep(2)
+        return (SlowToPickle, ())
+
+
+saver = AsyncSaver()
+saver.save({{"w": torch.zeros(3), "extra": SlowToPickle()}}, os.path.join({tmp!r}, "parent.pt"))
+time.sleep(0.5)  # the writer thread is pickling: it has torch's zip CRC turned off, under a lock
+pid = os.fork()
+if pid == 0:
+    crc = torch.serialization.get_crc32_options()  # the parent's setting, not the writer's passing one
+    atomic_save({{"w": torch.ones(2)}}, os.path.join({tmp!r}, "child.pt"))
+    os._exit(0 if crc else 3)
+for _ in range(200):
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        print("CHILD EXITED", status, flush=True)
+        break
+    time.sleep(0.05)
+else:
+    os.kill(pid, 9)
+    print("CHILD STUCK", flush=True)
+saver.close()
+"""
+
+
+def test_a_fork_while_the_writer_pickles_gives_a_child_that_saves(tmp_path):
+    """Before: the child inherited the lock a save holds while torch's zip CRC is off (the writer thread held it, and
+    does not exist there): every ranksafe save in the child waited for ever."""
+    out = _script(_FORK_WHILE_THE_WRITER_PICKLES.format(tmp=str(tmp_path)), timeout=60)
+    assert out.returncode == 0 and "CHILD EXITED 0" in out.stdout, out.stdout + out.stderr[-3000:]
+    assert load_file(tmp_path / "child.pt")["w"].sum() == 2 and os.path.exists(tmp_path / "parent.pt")
+
+
 _FORK = """
 import os, sys, torch
 from ranksafe.async_save import AsyncSaver

@@ -116,6 +116,19 @@ class ChecksummingWriter:
 
 
 _zip_crc_lock = threading.Lock()
+_crc_before: list[bool] = []  # the setting to restore while a save has the zip CRC turned off (under the lock)
+
+
+def _after_fork_in_child() -> None:
+    """A thread of the parent inside the window below (a background write, pickling) does not exist in a forked
+    child: its lock would stay taken for every save there, and the setting it turned off would stay off."""
+    global _zip_crc_lock
+    _zip_crc_lock = threading.Lock()
+    if _crc_before:
+        torch.serialization.set_crc32_options(_crc_before.pop())
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @contextlib.contextmanager
@@ -138,12 +151,15 @@ def _torch_zip_crc_off() -> Iterator[Callable[[], None]]:
         if previous is not None:
             torch.serialization.set_crc32_options(previous)
             previous = None
+            _crc_before.clear()
             _zip_crc_lock.release()
 
     try:
         previous = torch.serialization.get_crc32_options()
+        _crc_before.append(previous)
         torch.serialization.set_crc32_options(False)
     except BaseException:
+        _crc_before.clear()
         _zip_crc_lock.release()
         raise
     try:
