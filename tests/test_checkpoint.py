@@ -417,6 +417,23 @@ def test_two_ranks_that_would_write_one_file_or_into_another_root_fail_every_ran
 # -- damaged manifests, listing errors, full disks, crashes between renames ---------------------------
 
 
+def _bad_name_on_rank_1(rank, root):
+    mgr = CheckpointManager(root)
+    mgr.save(1, _state(1))
+    files = {"state.pt": _state(2), **({"../escape.pt": b"x"} if rank == 1 else {})}
+    with pytest.raises(ranksafe.RankFailure, match="file name"), mgr.saving(2, files):
+        pass
+    ranksafe.barrier("failed")
+    return sorted(os.listdir(root))
+
+
+def test_a_save_that_fails_in_its_first_exchange_leaves_no_temporary_directory(tmp_path):
+    """Before: the writer had created .step_00000002.ranksafe-partial when rank 1's bad file name failed the first
+    exchange; it stayed until the next save, and `ranksafe ls` listed an incomplete step 2."""
+    values = run_ranks(_bad_name_on_rank_1, 2, args=(str(tmp_path / "ckpt"),), timeout=60).values
+    assert values == [["step_00000001"]] * 2
+
+
 def _damaged_manifest(rank, root):
     mgr = CheckpointManager(root)
     mgr.save(1, _state(1))

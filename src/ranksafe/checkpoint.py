@@ -323,21 +323,28 @@ class CheckpointManager:
             self.check()  # a failed background commit stops every rank here, not a step later
         commit = step_commit(self._dirs.place(step))
         state_kind = "a state with DTensors" if sharded else "no DTensors"
-        # each rank's root travels along: a rank whose writer writes under another root would never find its steps
-        with together(
-            f"checkpoint {step}: create, {state_kind}", self.timeout, f"checkpoint {step}: create",
-            value=(where.group, (self.root,)), reduce=paths_apart,
-        ) as outcome:  # fmt: skip
-            if sharded:
-                require_shared(where, self.root)  # the placement is agreed: every rank with DTensors raises alike
-            for name in writer_files:  # every rank: the names may differ where only the writers' count
-                check_name(name, "file name")
-            refuse_sharded(writer_files, f"checkpoint {step}")  # every rank: the writers write theirs whole
-            floats = {k: float(v) for k, v in (metrics or {}).items()}  # a bad value on any rank fails every rank
-            if where.writer:
-                self._create(commit, step)
+        created = False
+        try:
+            # each rank's root travels along: a rank whose writer writes under another root would never find its steps
+            with together(
+                f"checkpoint {step}: create, {state_kind}", self.timeout, f"checkpoint {step}: create",
+                value=(where.group, (self.root,)), reduce=paths_apart,
+            ) as outcome:  # fmt: skip
+                if sharded:
+                    require_shared(where, self.root)  # the placement is agreed: every rank with DTensors raises alike
+                for name in writer_files:  # every rank: the names may differ where only the writers' count
+                    check_name(name, "file name")
+                refuse_sharded(writer_files, f"checkpoint {step}")  # every rank: the writers write theirs whole
+                floats = {k: float(v) for k, v in (metrics or {}).items()}  # a bad value on any rank fails every rank
+                if where.writer:
+                    self._create(commit, step)
+                    created = True
+        except BaseException:
+            if created:  # another rank failed: no save will use the temporary place (and `ls` would list it)
+                commit.abort()
+            raise
         if apart := outcome.result:
-            if where.writer:
+            if created:
                 commit.abort()
             raise ValueError(f"checkpoint {step}: the ranks sharing a writer have different roots ({'; '.join(apart)})")
         return commit, floats
