@@ -654,6 +654,28 @@ def test_a_writer_thread_that_cannot_start_leaves_nothing_in_flight(tmp_path, mo
     assert os.path.exists(tmp_path / "b.pt")
 
 
+def _own_failure_while_another_rank_is_gone(rank, root):
+    saver = AsyncSaver(writer="all")
+    ranksafe.barrier("warm")
+    if rank == 1:
+        return None  # ends: its exit hook says it is gone
+    blocker = os.path.join(root, "blocker")
+    open(blocker, "w").close()
+    saver.save({"w": torch.ones(2)}, os.path.join(blocker, "x.pt"))  # a file where a directory must go
+    saver.wait()
+    with pytest.raises(ranksafe.RankFailure) as raised:
+        saver.check()  # decided on rank 1's exit: this rank's own failure is not in it
+    own = saver.take_error()
+    return raised.value.ranks, type(own).__name__
+
+
+def test_a_background_failure_not_in_the_outcome_of_its_check_stays_to_be_reported(tmp_path):
+    """Before: when the check's exchange was decided on another rank's exit, this rank's own write failure was
+    dropped: no later check reported it, and the exit hook had nothing to print."""
+    values = run_ranks(_own_failure_while_another_rank_is_gone, 2, args=(str(tmp_path),), timeout=60).values
+    assert values[0] == ([1], "NotADirectoryError"), values
+
+
 _INTERRUPTED = """
 import faulthandler, os, queue, sys, threading, time, torch
 sys.path.insert(0, {root!r})

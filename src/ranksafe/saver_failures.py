@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from . import topology
 from .collectives import exchange_outcome
-from .errors import BarrierTimeout, CollectiveMismatch, Failure, rank_failure
+from .errors import BarrierTimeout, CollectiveMismatch, Failure, RankFailure, rank_failure
 from .notice import StepNotice
 from .saving import paths_apart, refuse_paths_apart, writer_group
 
@@ -31,7 +31,7 @@ def check_savers(savers: Iterable[AsyncSaver], name: str = "async save", point: 
     The same exchange carries the paths each saver was given since the last check: where a rank gave one that its
     writer did not (``save(state, f"model_{rank}.pt")`` with one writer), every rank raises ``ValueError``.
     When the exchange itself fails (a rank missing, ranks elsewhere), the failure and the paths taken for it stay
-    pending for the next check.
+    pending for the next check; so does the failure when the outcome was decided without it (a rank gone).
     """
     savers = list(savers)
     err, owner = None, None
@@ -51,6 +51,10 @@ def check_savers(savers: Iterable[AsyncSaver], name: str = "async save", point: 
             owner.restore_error(err)
         for saver, (_, paths) in zip(savers, asked, strict=True):
             saver.restore_asked(paths)
+        raise
+    except RankFailure as e:
+        if owner is not None and topology.rank() not in e.ranks:  # decided without this rank's failure (a rank gone)
+            owner.restore_error(err)  # so it is reported later, or printed at exit, not lost
         raise
     for saver, paths in zip(savers, apart, strict=False):  # shorter where a rank passed fewer savers
         refuse_paths_apart(saver.writer, paths, saver.name)
