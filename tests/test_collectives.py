@@ -902,3 +902,68 @@ def test_a_rank_that_ends_in_a_forked_launcher_is_named_at_once_not_waited_for(t
     seconds, got = out.read_text().split(" ", 1)
     assert "rank 1: Exited: the process ended without reaching this collective" in got, got
     assert float(seconds) < 10, got
+
+
+_WORKER_ENDS = """
+import os, socket, sys, time
+import torch
+import torch.multiprocessing as mp
+
+
+def from_a_worker(batch):
+    import ranksafe
+
+    ranksafe.barrier("from a worker")
+    return batch
+
+
+def rank_main(rank, port, out):
+    import torch.distributed as dist
+    import ranksafe
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=rank, world_size=2)
+    ranksafe.barrier("warm")
+    loader = torch.utils.data.DataLoader(list(range(8)), batch_size=4, num_workers=1, multiprocessing_context="fork")
+    assert [len(batch) for batch in loader] == [4, 4]  # its worker, forked from this rank, ends with the epoch
+    del loader
+    in_worker = torch.utils.data.DataLoader(
+        [0], num_workers=1, multiprocessing_context="fork",
+        collate_fn=from_a_worker,
+    )
+    try:
+        list(in_worker)
+        refused = "no error"
+    except RuntimeError as e:
+        refused = str(e)
+    if rank == 1:
+        time.sleep(3)  # longer than the grace: rank 0 waits in the barrier below meanwhile
+    start = time.monotonic()
+    try:
+        ranksafe.barrier("epoch end")
+        got = "ok"
+    except ranksafe.RankFailure as e:
+        got = str(e)
+    with open(f"{{out}}.{{rank}}", "w") as f:
+        f.write(f"{{time.monotonic() - start:.1f}}|{{got}}|{{refused}}")
+
+
+if __name__ == "__main__":
+    os.environ["RANKSAFE_TIMEOUT"] = "30"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(rank_main, args=(port, sys.argv[1]), nprocs=2, start_method="spawn")
+"""
+
+
+def test_a_process_forked_from_a_rank_neither_speaks_for_it_at_exit_nor_runs_its_collectives(tmp_path):
+    """Before: a DataLoader worker inherited its rank's session, and at its exit posted "Exited" for the rank, which
+    was alive: rank 0's next barrier failed after the grace, naming rank 1. A collective in a worker now raises at once
+    instead of talking to the store over the rank's connection."""
+    script, out = tmp_path / "workers.py", tmp_path / "rank"
+    script.write_text(_WORKER_ENDS.format())
+    done = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seconds, got, refused = zip(*((tmp_path / f"rank.{r}").read_text().split("|") for r in range(2)), strict=True)
+    assert got == ("ok", "ok"), got
+    assert float(seconds[0]) > 2.5, seconds  # rank 0 waited for rank 1: no failure was decided meanwhile
+    assert all("ranksafe's collectives run in the ranks: this process was forked from rank" in r for r in refused)

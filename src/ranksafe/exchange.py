@@ -84,6 +84,7 @@ class Session:
 
     def __init__(self) -> None:
         self.group_id = id(dist.group.WORLD)
+        self.pid = os.getpid()  # a process forked from a rank (a DataLoader worker) inherits this object: not its own
         self.store = default_store()
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
@@ -113,8 +114,8 @@ class Session:
         return None if data == _WITHDRAWN else pickle.loads(data)
 
     def current(self) -> bool:
-        """Whether this session belongs to the process group in use now."""
-        return topology.is_distributed() and self.group_id == id(dist.group.WORLD)
+        """Whether this session belongs to the process group in use now, in this very process."""
+        return self.pid == os.getpid() and topology.is_distributed() and self.group_id == id(dist.group.WORLD)
 
 
 @dataclass(frozen=True)
@@ -153,6 +154,11 @@ def session(timeout: float | None, what: str | None = None) -> Session | None:
     if dist.get_world_size() == 1:
         return None
     with _session_lock:
+        if _session is not None and _session.pid != os.getpid() and _session.group_id == id(dist.group.WORLD):
+            raise RuntimeError(
+                f"ranksafe's collectives run in the ranks: this process was forked from rank {_session.rank} (a "
+                "DataLoader worker?), and shares that rank's connection to the store"
+            )
         if _session is None or not _session.current():
             _session = Session()
         if not _session.hosts:
@@ -403,6 +409,8 @@ def post_abort(failure: Failure, replace: bool) -> None:
     """Post ``failure`` under this rank's abort key, and count it, unless one is there and not ``replace``."""
     global _session
     with contextlib.suppress(dist.DistError), _session_lock:
+        if _session is not None and _session.pid != os.getpid():
+            return  # a process forked from a rank is not one: it must not speak for its rank
         if _session is None or not _session.current():
             _session = Session()  # the host exchange waits for the next collective, which will raise
         s = _session
