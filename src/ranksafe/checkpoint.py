@@ -289,14 +289,12 @@ class CheckpointManager:
         if part is not None:
             part.agreed()  # every rank writes its part now, or in the background (then the writer commits there)
         if self._saver is None:
-            committed = False
             try:
                 with together(f"checkpoint {step}: commit", self.timeout):
                     if where.writer:
                         self._commit(commit, tx, writer_files)
-                        committed = True
             except BaseException:
-                if committed and tx.copies > 1:  # another writer's commit failed: the other nodes may lack it
+                if tx.committed and tx.copies > 1:  # a writer failed after this one committed: other nodes may lack it
                     self._passed_over.add(step)
                 raise
         elif where.writer and part is None:  # the snapshot of writer_files is taken now; check() reports a failure
@@ -421,6 +419,7 @@ class CheckpointManager:
                 tx.save(obj, name)
             with naming_target(f"cannot commit step {tx.step}:", name_of(commit.final)):
                 commit.finalize(build_manifest(commit.tmp, tx.step, tx.entries, tx.metrics))
+                tx.committed = True
                 self._metrics.record(tx.step, tx.metrics)
                 self._passed_over.discard(tx.step)  # saved again, whole: it holds lower saves back again
         except BaseException:

@@ -197,6 +197,7 @@ class StepWriter:
         self.entries: dict[str, Entry] = {}
         self.metrics: dict[str, float] = {}  # what the manifest records (see CheckpointManager.saving)
         self.copies = 1  # how many writers commit a copy of this step (one per node with node-local storage)
+        self.committed = False  # whether this writer's copy is committed (retention may still fail after it)
         self._tmp, self._final = commit.tmp, commit.final
 
     def file(self, name: str) -> str:
