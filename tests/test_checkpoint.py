@@ -351,9 +351,9 @@ def test_a_step_name_is_what_the_manager_makes_and_a_longer_prefix_is_another_ma
     assert dirs.parse(".step_123456789.ranksafe-old") == (123456789, AtomicDir.OLD)  # past 8 digits
     others = ["step_7", "step_best_00000007", ".step_00000007", "step_00000007.ranksafe-partial", "step_00000007x"]
     assert [dirs.parse(name) for name in others] == [None] * len(others)
-    for name in ("step_7", "step_best_00000001", ".step_00000002.ranksafe-old", "step_00000003"):
+    for name in ("step_7", "step_best_00000001", ".step_00000003.ranksafe-old", "step_00000003"):
         os.mkdir(tmp_path / name)
-    assert [s.step for s in list_steps(tmp_path)] == [3]  # a step set aside is not one more step
+    assert [s.step for s in list_steps(tmp_path)] == [3]  # a step set aside beside its new copy is not one more step
     file_root = tmp_path / "file"
     file_root.write_text("not a root")
     with pytest.raises(NotADirectoryError):  # not an empty root: a listing must not say "no steps"
@@ -625,6 +625,10 @@ def test_a_crash_between_the_renames_that_replace_a_step_keeps_the_committed_one
     done = subprocess.run([sys.executable, "-c", _CRASH_BETWEEN_RENAMES_CHILD, str(root)], timeout=120)
     assert done.returncode == 9
     assert sorted(os.listdir(root)) == [".step_00000002.ranksafe-old", ".step_00000002.ranksafe-partial"]
+    # `ranksafe ls` shows the committed copy set aside (was: step 2 incomplete only, exit status 0)
+    listed = [(s.step, s.status.value, os.path.basename(s.path)) for s in list_steps(root)]
+    aside, partial = ".step_00000002.ranksafe-old", ".step_00000002.ranksafe-partial"
+    assert listed == [(2, "committed", aside), (2, "incomplete", partial)]
     mgr = CheckpointManager(root)
     assert mgr.latest() == 2 and mgr.load()["w"][0].item() == 2.0
     mgr.save(3, _state(3))

@@ -69,10 +69,13 @@ def list_steps(
     if isinstance(base, Remote):  # each step's one listing answers for its files, not a request per file
         base = base.listed_afresh()
     dirs = StepDirs(base, prefix)
+    listed = [(name, parsed) for name in names(dirs.base) if (parsed := dirs.parse(name)) is not None]
+    placed = {parsed.step for _, parsed in listed if not parsed.suffix}
     out = []
-    for name in names(dirs.base):
-        parsed = dirs.parse(name)
-        if parsed is None or parsed.suffix == AtomicDir.OLD:  # a committed step set aside: not one more step
+    for name, parsed in listed:
+        # a committed step set aside while it is saved again: not one more step, unless it is the only committed copy
+        # (a crash between the two renames; the manager puts it back)
+        if parsed.suffix == AtomicDir.OLD and parsed.step in placed:
             continue
         with contextlib.suppress(FileNotFoundError):
             out.append(_step_info(join(dirs.base, name), parsed.step, parsed.suffix == AtomicDir.PARTIAL, deep))
