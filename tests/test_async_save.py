@@ -783,6 +783,20 @@ def test_a_save_from_another_thread_during_shutdown_is_written_not_stranded(tmp_
     assert out.returncode == 0 and "NONE STRANDED" in out.stdout, out.stdout + out.stderr[-3000:]
 
 
+_REAP_THE_CHILD = """
+for _ in range(200):  # the forked child: its exit, or "stuck" after 10 s
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        print("CHILD EXITED", status, flush=True)
+        break
+    time.sleep(0.05)
+else:
+    os.kill(pid, 9)
+    print("CHILD STUCK", flush=True)
+saver.close()
+"""
+
+
 _FORK_WHILE_THE_WRITER_HOLDS_ITS_LOCK = """
 import os, sys, threading, time, torch
 from ranksafe.async_save import AsyncSaver
@@ -804,23 +818,13 @@ if pid == 0:  # a DataLoader worker, say: it starts, and saves with threads of i
     saver.close()
     os._exit(0)
 release.set()
-for _ in range(200):
-    done, status = os.waitpid(pid, os.WNOHANG)
-    if done:
-        print("CHILD EXITED", status, flush=True)
-        break
-    time.sleep(0.05)
-else:
-    os.kill(pid, 9)
-    print("CHILD STUCK", flush=True)
-saver.close()
 """
 
 
 def test_a_fork_while_the_writer_holds_its_lock_gives_a_child_that_saves(tmp_path):
     """Before: the child's at-fork hook dropped the parent's writer, whose finalizer took the writer's lock, held by
     a thread that does not exist in the child: the child hung inside os.fork()."""
-    out = _script(_FORK_WHILE_THE_WRITER_HOLDS_ITS_LOCK.format(tmp=str(tmp_path)), timeout=60)
+    out = _script(_FORK_WHILE_THE_WRITER_HOLDS_ITS_LOCK.format(tmp=str(tmp_path)) + _REAP_THE_CHILD, timeout=60)
     assert out.returncode == 0 and "CHILD EXITED 0" in out.stdout, out.stdout + out.stderr[-3000:]
     assert load_file(tmp_path / "child.pt")["w"].sum() == 3
 
@@ -848,23 +852,13 @@ if pid == 0:
     crc = torch.serialization.get_crc32_options()  # the parent's setting, not the writer's passing one
     atomic_save({{"w": torch.ones(2)}}, os.path.join({tmp!r}, "child.pt"))
     os._exit(0 if crc else 3)
-for _ in range(200):
-    done, status = os.waitpid(pid, os.WNOHANG)
-    if done:
-        print("CHILD EXITED", status, flush=True)
-        break
-    time.sleep(0.05)
-else:
-    os.kill(pid, 9)
-    print("CHILD STUCK", flush=True)
-saver.close()
 """
 
 
 def test_a_fork_while_the_writer_pickles_gives_a_child_that_saves(tmp_path):
     """Before: the child inherited the lock a save holds while torch's zip CRC is off (the writer thread held it, and
     does not exist there): every ranksafe save in the child waited for ever."""
-    out = _script(_FORK_WHILE_THE_WRITER_PICKLES.format(tmp=str(tmp_path)), timeout=60)
+    out = _script(_FORK_WHILE_THE_WRITER_PICKLES.format(tmp=str(tmp_path)) + _REAP_THE_CHILD, timeout=60)
     assert out.returncode == 0 and "CHILD EXITED 0" in out.stdout, out.stdout + out.stderr[-3000:]
     assert load_file(tmp_path / "child.pt")["w"].sum() == 2 and os.path.exists(tmp_path / "parent.pt")
 
