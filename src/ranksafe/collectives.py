@@ -288,9 +288,10 @@ def _stay_for_the_others(s: Session) -> None:
     others = [r for r in s.present if r != 0]
     with contextlib.suppress(dist.DistError):
         while time.monotonic() < deadline:
-            others = [r for r in others if s.standing_abort(r) is None]
-            if not others:
-                break
+            if s.store.check([s.abort_key(r) for r in others]):  # one request while some rank has posted nothing
+                others = [r for r in others if s.standing_abort(r) is None]  # a withdrawn mark: not gone yet
+                if not others:
+                    break
             time.sleep(0.01)
 
 
