@@ -280,16 +280,21 @@ def test_an_abort_withdrawn_while_a_rank_gives_up_does_not_fail_a_complete_excha
     assert values[0] == values[1] == ["ok", "ok"]
 
 
-class _SlowAbortReads:
-    """A store whose reads of an abort take a second: the time between a waiting rank's check of the key and its
-    get, in which rank 0 may withdraw that abort."""
+class _SlowReads:
+    """A store whose checks and gets of keys containing ``part`` wait first: the time between a rank's check of a
+    key and its get, in which another rank withdraws what the key held."""
 
-    def __init__(self, store):
-        self._store = store
+    def __init__(self, store, part: str, check_delay: float = 0.0, get_delay: float = 0.0):
+        self._store, self._part, self._check_delay, self._get_delay = store, part, check_delay, get_delay
+
+    def check(self, keys):
+        if any(self._part in k for k in keys):
+            time.sleep(self._check_delay)
+        return self._store.check(keys)
 
     def get(self, key):
-        if "/abort/" in key:
-            time.sleep(1.0)
+        if self._part in key:
+            time.sleep(self._get_delay)
         return self._store.get(key)
 
     def __getattr__(self, name):
@@ -300,7 +305,7 @@ def _abort_withdrawn_while_read(rank):
     ranksafe.barrier("warm")
     if rank == 1:  # fails, catches its error and goes on; reads aborts slowly from here
         collectives.abort(OSError(28, "disk full (rank 1 caught it and goes on)"))
-        protocol._session.store = _SlowAbortReads(protocol._session.store)
+        protocol._session.store = _SlowReads(protocol._session.store, "/abort/", get_delay=1.0)
     else:
         time.sleep(2.5)  # rank 0 arrives after rank 1's grace: rank 1 reads the aborts, rank 0 withdraws them
     start = time.monotonic()
@@ -729,27 +734,6 @@ def test_the_per_step_check_costs_one_store_request_and_waits_for_no_rank():
     assert values[1][0][1] < 1.5  # rank 1's polls ran while rank 0 slept 2 s
 
 
-class _SlowReads:
-    """A store whose reads of a notice come late and take long: rank 1 has posted its notice before the check
-    (0.5 s), and withdraws it (1 s: its own check() reports the failure instead) before the get (2.5 s)."""
-
-    def __init__(self, store):
-        self._store = store
-
-    def check(self, keys):
-        if any("notice/" in k for k in keys):
-            time.sleep(0.5)
-        return self._store.check(keys)
-
-    def get(self, key):
-        if "notice/" in key:
-            time.sleep(2)
-        return self._store.get(key)
-
-    def __getattr__(self, name):
-        return getattr(self._store, name)
-
-
 def _posted_then_checked(rank, root, slow_reads=False):
     if rank == 1:
         open(os.path.join(root, "r1"), "w").close()
@@ -759,7 +743,9 @@ def _posted_then_checked(rank, root, slow_reads=False):
     saver.save({"w": 1}, os.path.join(root, f"r{rank}", "w.pt"))
     saver.wait()
     if slow_reads and rank == 0:
-        protocol._session.store = _SlowReads(protocol._session.store)
+        # rank 1 has posted its notice before the check (0.5 s), and withdraws it (1 s: its own check() reports the
+        # failure instead) before the get (2.5 s)
+        protocol._session.store = _SlowReads(protocol._session.store, "notice/", check_delay=0.5, get_delay=2.0)
     saver.poll()  # rank 1 posts its failure, due at the next poll
     if slow_reads and rank == 1:
         time.sleep(1)
@@ -858,6 +844,28 @@ def test_a_failure_already_shared_keeps_its_type_and_ctrl_c_stays_what_it_is(tmp
     assert r1["interrupt"] == "Exception: RankFailure [0]"  # the others: a failure on rank 0, named
 
 
+_LAUNCHER = """
+
+if __name__ == "__main__":
+    os.environ["RANKSAFE_TIMEOUT"] = "30"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(rank_main, args=(port, sys.argv[1]), nprocs=2, start_method=sys.argv[2])
+"""
+
+
+def _launch_two_ranks(tmp_path, ranks_code: str, start_method: str, out) -> None:
+    """Run ``ranks_code`` (which defines ``rank_main(rank, port, out)``) on 2 ranks that torch.multiprocessing starts
+    with ``start_method``, as a script of its own: a launcher that forks must not fork the test process."""
+    script = tmp_path / "ranks.py"
+    script.write_text(ranks_code + _LAUNCHER)
+    done = subprocess.run(
+        [sys.executable, str(script), str(out), start_method], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 _FORKED_RANKS = """
 import os, socket, sys, time
 import torch.multiprocessing as mp
@@ -881,13 +889,6 @@ def rank_main(rank, port, out):
     with open(out, "w") as f:
         f.write(f"{{time.monotonic() - start:.1f}} {{got}}")
 
-
-if __name__ == "__main__":
-    os.environ["RANKSAFE_TIMEOUT"] = "30"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(rank_main, args=(port, sys.argv[1]), nprocs=2, start_method="fork")
 """
 
 
@@ -895,10 +896,8 @@ if __name__ == "__main__":
 def test_a_rank_that_ends_in_a_forked_launcher_is_named_at_once_not_waited_for(tmp_path, in_parent):
     """Ranks forked by multiprocessing end with os._exit, which skipped the exit hook that says a rank is gone: rank 0
     waited the whole timeout (30 s here, 30 minutes by default) for a rank that had ended, and then blamed nobody."""
-    script, out = tmp_path / "forked.py", tmp_path / "rank0.txt"
-    script.write_text(_FORKED_RANKS.format(in_parent=in_parent))
-    done = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
+    out = tmp_path / "rank0.txt"
+    _launch_two_ranks(tmp_path, _FORKED_RANKS.format(in_parent=in_parent), "fork", out)
     seconds, got = out.read_text().split(" ", 1)
     assert "rank 1: Exited: the process ended without reaching this collective" in got, got
     assert float(seconds) < 10, got
@@ -920,7 +919,7 @@ def from_a_worker(batch):
 def rank_main(rank, port, out):
     import torch.distributed as dist
     import ranksafe
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     ranksafe.barrier("warm")
     loader = torch.utils.data.DataLoader(list(range(8)), batch_size=4, num_workers=1, multiprocessing_context="fork")
     assert [len(batch) for batch in loader] == [4, 4]  # its worker, forked from this rank, ends with the epoch
@@ -942,16 +941,9 @@ def rank_main(rank, port, out):
         got = "ok"
     except ranksafe.RankFailure as e:
         got = str(e)
-    with open(f"{{out}}.{{rank}}", "w") as f:
-        f.write(f"{{time.monotonic() - start:.1f}}|{{got}}|{{refused}}")
+    with open(f"{out}.{rank}", "w") as f:
+        f.write(f"{time.monotonic() - start:.1f}|{got}|{refused}")
 
-
-if __name__ == "__main__":
-    os.environ["RANKSAFE_TIMEOUT"] = "30"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(rank_main, args=(port, sys.argv[1]), nprocs=2, start_method="spawn")
 """
 
 
@@ -959,10 +951,7 @@ def test_a_process_forked_from_a_rank_neither_speaks_for_it_at_exit_nor_runs_its
     """Before: a DataLoader worker inherited its rank's session, and at its exit posted "Exited" for the rank, which
     was alive: rank 0's next barrier failed after the grace, naming rank 1. A collective in a worker now raises at once
     instead of talking to the store over the rank's connection."""
-    script, out = tmp_path / "workers.py", tmp_path / "rank"
-    script.write_text(_WORKER_ENDS.format())
-    done = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
+    _launch_two_ranks(tmp_path, _WORKER_ENDS, "spawn", tmp_path / "rank")
     seconds, got, refused = zip(*((tmp_path / f"rank.{r}").read_text().split("|") for r in range(2)), strict=True)
     assert got == ("ok", "ok"), got
     assert float(seconds[0]) > 2.5, seconds  # rank 0 waited for rank 1: no failure was decided meanwhile
