@@ -3,6 +3,7 @@
 #   bash dev.sh demo   -> set up, then run the multi-process CPU demo
 #   bash dev.sh test   -> set up, then lint and run the whole test suite
 #   bash dev.sh compat -> the integration tests against the oldest and newest lightning and fastai allowed
+#   bash dev.sh gpu    -> on a machine with a GPU: the CUDA tests and the CUDA benchmark, with its own torch
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -77,6 +78,15 @@ case "$job" in
       done
     done
     exit $status ;;
+  gpu)
+    # No venv: .venv holds the CPU build of torch. The machine's own CUDA build runs the tests marked cuda (skipped
+    # everywhere else) and the CUDA benchmark; fastai, lightning and pytest must already be importable there.
+    export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())"
+    status=0
+    "$PY" -m pytest -m cuda -p no:cacheprovider -o addopts="-ra" --timeout 300 $(grep -l "mark.cuda" tests/test_*.py) "${@:2}" || status=1
+    "$PY" -m benchmarks.cuda_async || status=1
+    exit $status ;;
   *)
-    echo "usage: bash dev.sh demo|test|compat [args]" >&2; exit 2 ;;
+    echo "usage: bash dev.sh demo|test|compat|gpu [args]" >&2; exit 2 ;;
 esac
