@@ -8,6 +8,8 @@ allocator kept would otherwise be reused silently and hide a later method's allo
     python -m benchmarks                       # 100 MiB states, 5 reps
     python -m benchmarks --sizes-mib 100 1024  # the long run
     python -m benchmarks --quick               # 8 MiB, 3 reps: a smoke test of every method
+
+Where CUDA is available, the GPU benchmark (cuda_async) runs too, at 1 and 4 GiB.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import os
 import subprocess
 import sys
 
-from .report import SCRIPTS, table
+from .report import CUDA_SCRIPTS, SCRIPTS, table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,7 +41,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=None, help="timed saves per method and size (default 5)")
     parser.add_argument("--quick", action="store_true", help="8 MiB and 3 reps unless given: a smoke test")
     parser.add_argument("--dir", default=os.getcwd(), help="where to write (default: the current directory)")
-    parser.add_argument("--worker", choices=SCRIPTS, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=SCRIPTS + CUDA_SCRIPTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     sizes = args.sizes_mib or ([8] if args.quick else [100])
     reps = args.reps or (3 if args.quick else 5)
@@ -51,7 +53,8 @@ def main() -> None:
     import torch  # only for the versions in the heading; the workers do the measuring
 
     before = os.getloadavg()
-    rows = [row for name in SCRIPTS for row in run_worker(name, sizes, reps, directory)]
+    scripts = SCRIPTS + (CUDA_SCRIPTS if torch.cuda.is_available() else ())
+    rows = [row for name in scripts for row in run_worker(name, sizes, reps, directory)]
     after = os.getloadavg()
     print(
         f"torch {torch.__version__}, {os.cpu_count()} CPUs, {reps} reps per method and size, writing in {directory}; "

@@ -24,6 +24,11 @@ LABELS: dict[tuple[str, str], str] = {
     ("async_save_large", "lightning"): "Lightning AsyncCheckpointIO",
     ("async_save_large", "dcp"): "torch.distributed.checkpoint.async_save",
     ("async_save_large", "ranksafe"): "ranksafe AsyncSaver",
+    ("cuda_async", "floor"): "device-to-pinned-host copy into a preallocated buffer",
+    ("cuda_async", "ranksafe"): "ranksafe AsyncSaver",
+    ("cuda_async", "dcp"): "torch.distributed.checkpoint.async_save, pinned stager",
+    ("cuda_async", "lightning"): "Lightning AsyncCheckpointIO",
+    ("cuda_async", "cpu"): ".cpu() copy, then torch.save on a thread",
     ("fastai_fit", "stock"): "stock fastai",
     ("fastai_fit", "ranksafe"): "fastai + RankSafe()",
     **{
@@ -42,6 +47,7 @@ BENCHMARKS: dict[str, str] = {
     "save_path": "sync save, function",
     "async_save": "async save, time blocked, 1,000 small tensors + large ones",
     "async_save_large": "async save, time blocked, large tensors only",
+    "cuda_async": "async save of GPU state (bf16, 1,000 tensors), time until the state may change",
     "fastai_fit": "fastai DDP fit, 2 ranks, time per epoch",
     "sharded_sync_2": "sharded save (DTensors), 2 ranks, slowest rank's time",
     "sharded_async_2": "sharded async save, 2 ranks, time blocked",
@@ -49,8 +55,9 @@ BENCHMARKS: dict[str, str] = {
     "sharded_async_4": "sharded async save, 4 ranks, time blocked",
 }
 # the scripts that measure them (each in its own process); async_save measures both of its kinds of state, sharded
-# its four
+# its four; cuda_async runs only where CUDA is (CUDA_SCRIPTS)
 SCRIPTS = ("lightning_io", "save_path", "async_save", "fastai_fit", "sharded")
+CUDA_SCRIPTS = ("cuda_async",)
 
 
 @dataclass(frozen=True)
@@ -89,6 +96,8 @@ TARGETS: dict[tuple[str, str], Target] = {
     # 1,040 tensors copied one by one against one memcpy of the same bytes: the per-tensor cost shows at 100 MiB
     ("async_save", "ranksafe"): Target(median=1.5, max=2.0),
     ("async_save_large", "ranksafe"): Target(median=1.15, max=2.0),
+    # one non-blocking copy per tensor into pinned buffers and one synchronisation, against one copy of the bytes
+    ("cuda_async", "ranksafe"): Target(median=1.1),
     # two collectives per epoch and one all-reduced float per batch must not show in a fit's time
     ("fastai_fit", "ranksafe"): Target(median=1.05),
     # the manifest and three exchanges must not show next to DCP's own write, nor the snapshot next to DCP's stager
