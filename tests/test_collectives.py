@@ -357,6 +357,30 @@ def test_a_rank_that_fails_alone_and_goes_on_is_reported_and_later_collectives_d
     assert kind.startswith("RankFailure") and "rank 1" in msg and seconds < 10
 
 
+def _fails_inside_together(rank):
+    """Rank 1 fails inside a shared block; rank 0 reaches a collective inside the same block."""
+    ranksafe.barrier("warm")
+    start = time.monotonic()
+    try:
+        with ranksafe.together("epoch", timeout=20):
+            if rank == 1:
+                raise OSError(28, "No space left on device (injected on rank 1)")
+            ranksafe.barrier("inside the epoch", timeout=20)
+    except Exception as e:
+        return {"type": type(e).__name__, "msg": str(e)[:300], "seconds": time.monotonic() - start}
+    return "no error"
+
+
+def test_a_failure_inside_together_reaches_a_rank_waiting_in_a_collective_inside_the_block():
+    """Before: rank 1's outcome of the block met rank 0's barrier inside it: CollectiveMismatch on both ranks, and
+    the disk-full error reached neither rank 0 nor the message rank 1 raised."""
+    r0, r1 = run_ranks(_fails_inside_together, 2, timeout=60).values
+    print(r0, r1, sep="\n")
+    for r, out in enumerate((r0, r1)):
+        assert out["type"] == "RankFailure[OSError]" and "rank 1" in out["msg"] and "No space left" in out["msg"], r
+        assert out["seconds"] < 10, r
+
+
 def _main_fails_alone(rank):
     ranksafe.barrier("warm")
     start = time.monotonic()

@@ -62,6 +62,10 @@ def exchange_outcome(
     failed. ``name`` and ``what`` as in :func:`exchange`.
     """
     mine = None if exc is None else Failure.from_exception(topology.rank(), exc)
+    if exc is not None:
+        # posted first: a rank still inside the block, in a collective of its own, meets this post under another
+        # name, and must raise this failure, not a mismatch (the abort is withdrawn once every rank posts here)
+        abort(exc)
     result, failures = exchange(name, (value, mine), _values_and_failures(reduce), timeout, what)
     if failures:
         if exc is not None and (topology.world_size() == 1 or not isinstance(exc, Exception)):
