@@ -612,6 +612,24 @@ def test_one_object_under_two_keys_is_one_object_in_the_snapshot():
     assert size == len(_file({"w": w, "score": w})) and back["score"].data_ptr() == back["w"].data_ptr()
 
 
+def test_a_container_met_twice_or_inside_itself_is_one_container_like_torch_save():
+    """Before: a dict under two keys came back as two dicts (a change to one no longer showed in the other, where the
+    object ``torch.save`` writes keeps them one), and a dict holding itself raised RecursionError."""
+    shared = {"w": torch.randn(10), "lr": [0.1]}
+    state = {"model": shared, "ema": shared, "groups": [shared["lr"]], "again": shared["lr"]}
+    state["self"] = state
+    staging = StagingBuffers()
+    for _ in range(2):  # the second capture reuses the layout
+        snap = staging.take(state)
+        saved = torch.load(io.BytesIO(_file(state)), weights_only=False)
+        for copy in (snap, saved):
+            assert copy["model"] is copy["ema"] and copy["self"] is copy
+            assert copy["groups"][0] is copy["again"] is copy["model"]["lr"]
+            assert torch.equal(copy["model"]["w"], shared["w"])
+        assert snap["model"] is not shared and snap["again"] is not shared["lr"]  # copies, not the live containers
+        assert staging.allocations == 1
+
+
 def test_a_captured_snapshot_keeps_no_tensor_of_the_state_alive():
     """Tensors made for one save (a gathered full state, an EMA copy) are freed once copied, while the snapshot
     waits for its writer; one object under two keys is still one object when it is assembled."""

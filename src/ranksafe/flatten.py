@@ -114,7 +114,8 @@ class Flattened:
     :attr:`sources`, those tensors (a DTensor's local shard for the DTensor).
 
     Walked: dicts (and their subclasses), UserDicts, lists, tuples and namedtuples. Every other leaf, and any other
-    container, is deep-copied now. A tensor met twice gets two slots, made one object again by :meth:`assemble`."""
+    container, is deep-copied now. A tensor met twice gets two slots, made one object again by :meth:`assemble`; a
+    container met twice (or inside itself) is copied once, as pickle keeps it one object."""
 
     def __init__(self, state: Any) -> None:
         self.sources: list[torch.Tensor] = []  # the tensors to stage, in slot order
@@ -122,6 +123,7 @@ class Flattened:
         self._clothes: dict[int, Clothes] = {}  # by slot: how a staged copy is dressed, read now, not at assembly
         self._containers: set[int] = set()  # ids of the containers this walk made: the ones assembly fills in
         self._memo: dict[int, Any] = {}  # deepcopy's: an object met twice is copied once
+        self._walked: dict[int, Any] = {}  # the same for the containers walked: their copies, by the original's id
         self.skeleton = self.walk(state)
         # which slots hold one object: ids taken while every original is alive, compared once assembled
         self._ids = list(map(id, self.originals))
@@ -133,15 +135,21 @@ class Flattened:
             return obj
         if isinstance(obj, torch.Tensor):
             return self._tensor(obj)
+        if (walked := self._walked.get(id(obj))) is not None:
+            return walked
         if kind is dict:
+            out = self._made(obj, {})  # known before its contents are walked: one that holds itself meets it
             tensor = torch.Tensor  # the bulk of a state: tensors in dicts, taken without the general path
-            return self._made({k: self._tensor(v) if isinstance(v, tensor) else self.walk(v) for k, v in obj.items()})
+            out.update({k: self._tensor(v) if isinstance(v, tensor) else self.walk(v) for k, v in obj.items()})
+            return out
         if kind is list:
-            return self._made([self.walk(v) for v in obj])
+            out = self._made(obj, [])
+            out.extend([self.walk(v) for v in obj])
+            return out
         if kind is tuple:
-            return self._made(tuple([self.walk(v) for v in obj]))
+            return self._made(obj, tuple([self.walk(v) for v in obj]))
         if isinstance(obj, tuple) and hasattr(kind, "_fields"):  # a namedtuple
-            return self._made(kind(*[self.walk(v) for v in obj]))
+            return self._made(obj, kind(*[self.walk(v) for v in obj]))
         if isinstance(obj, (dict, UserDict)):
             return self._mapping(obj)
         if kind is memoryview:  # raw bytes (a checkpoint's extra file): deepcopy cannot copy one
@@ -160,13 +168,17 @@ class Flattened:
                 break
         except TypeError:
             return copy.deepcopy(obj, self._memo)
+        self._made(obj, out)
         for k, v in obj.items():
             out[k] = self.walk(v)
-        return self._made(out)
+        return out
 
-    def _made(self, container: Any) -> Any:  # a container of ours: assembly may fill it in place
-        self._containers.add(id(container))
-        return container
+    def _made(self, original: Any, copied: Any) -> Any:
+        """``copied``, the walk's copy of ``original``: assembly may fill it in place, and ``original`` met again
+        is this copy."""
+        self._containers.add(id(copied))
+        self._walked[id(original)] = copied
+        return copied
 
     def _tensor(self, t: torch.Tensor) -> Any:
         parts = _stageable(t)
@@ -201,7 +213,7 @@ class Flattened:
         """Once the sources are copied: drop every reference to the live state (the sources, the originals, and
         deepcopy's memo, which keeps alive what it copied), so that a snapshot waiting for its writer keeps no
         tensor of training alive."""
-        self.sources, self.originals, self._memo = [], [], {}
+        self.sources, self.originals, self._memo, self._walked = [], [], {}, {}
 
     def assemble(self, staged: list[torch.Tensor]) -> Any:
         """The skeleton holding ``staged`` (one copy per source, in slot order), dressed as the originals were.
@@ -211,29 +223,34 @@ class Flattened:
             values[i] = clothes.dress(values[i])
         for i, first in self._aliases().items():
             values[i] = values[first]
-        return _fill(self.skeleton, values, self._containers)
+        return _fill(self.skeleton, values, self._containers, {})
 
     def where(self, source: int) -> str:
         """Where source number ``source`` is in the state, as ``state['model']['w']``; for error messages."""
         return _key_path(self.skeleton, source) or "a tensor of the state"
 
 
-def _fill(obj: Any, values: list[torch.Tensor], made: set[int]) -> Any:
+def _fill(obj: Any, values: list[torch.Tensor], made: set[int], filled: dict[int, Any]) -> Any:
     """``obj`` with its slots replaced by ``values``, in place in the containers the walk made (ours to change);
-    what the walk deep-copied holds no slot and is left alone."""
+    what the walk deep-copied holds no slot and is left alone. ``filled``: the containers done so far, by id, so that
+    one met twice (or inside itself) is filled once and stays one object."""
     if type(obj) is _Slot:
         return values[obj.index]
     if id(obj) not in made:
         return obj
+    if id(obj) in filled:
+        return filled[id(obj)]
     if isinstance(obj, tuple):
-        items = [_fill(v, values, made) for v in obj]
-        return type(obj)(*items) if hasattr(type(obj), "_fields") else tuple(items)
+        items = [_fill(v, values, made, filled) for v in obj]
+        filled[id(obj)] = type(obj)(*items) if hasattr(type(obj), "_fields") else tuple(items)
+        return filled[id(obj)]
+    filled[id(obj)] = obj
     for k, v in list(obj.items() if isinstance(obj, (dict, UserDict)) else enumerate(obj)):
-        obj[k] = _fill(v, values, made)
+        obj[k] = _fill(v, values, made, filled)
     return obj
 
 
-def _key_path(obj: Any, index: int, path: str = "state") -> str | None:
+def _key_path(obj: Any, index: int, path: str = "state", seen: set[int] | None = None) -> str | None:
     """Where the slot numbered ``index`` is in the walked containers of ``obj``."""
     if type(obj) is _Slot:
         return path if obj.index == index else None
@@ -243,7 +260,11 @@ def _key_path(obj: Any, index: int, path: str = "state") -> str | None:
         items = enumerate(obj)
     else:
         return None
+    seen = set() if seen is None else seen
+    if id(obj) in seen:  # met before (a container inside itself): searched there
+        return None
+    seen.add(id(obj))
     for k, v in items:
-        if (found := _key_path(v, index, f"{path}[{k!r}]")) is not None:
+        if (found := _key_path(v, index, f"{path}[{k!r}]", seen)) is not None:
             return found
     return None
