@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import sys
-import warnings
 from collections.abc import Iterable
 from functools import partial
 from typing import Any
@@ -39,7 +38,7 @@ from ..retention import Retention
 from ..schedule import SaveSchedule
 from ..storage import Storage
 from . import learner
-from .distributed import any_backend, prepare_distributed, trains_as_one_job
+from .distributed import any_backend, prepare_distributed, refuse_training_alone
 from .guards import discard_temporaries, guard, put_back, quiet_csv_loggers, quiet_trackers, refuse_remote_csv
 from .learner import stock_method
 from .mid_epoch import end_resumed_epoch
@@ -114,7 +113,7 @@ class RankSafe(Callback):
         self._installed: tuple[str, ...] = ()
         vars(self).update(_TRANSIENT)
         self.storage_options = storage_options
-        self._exported_ranks = prepare_distributed()  # fastai saw no job before this (see _refuse_training_alone)
+        self._exported_ranks = prepare_distributed()  # fastai saw no job before this (see refuse_training_alone)
 
     @property
     def state_lock(self) -> StateDictLock | None:
@@ -198,32 +197,10 @@ class RankSafe(Callback):
         self._fit = Fit(guarded=guard(learn.cbs, kinds), handled=sys.exc_info()[1])
         self._exported_ranks |= prepare_distributed()  # a process group made after this callback and its Learner
         if several:
-            self._refuse_training_alone()
+            late, self._exported_ranks = self._exported_ranks, False
+            refuse_training_alone(learn, late)
         if self.checkpoint_dir is not None and not any(isinstance(cb, LRFinder) for cb in learn.cbs):
             self._start_checkpointing(self._fit)
-
-    def _refuse_training_alone(self) -> None:
-        """Raise if this callback exported the ranks too late for fastai, which then trains each rank alone: under
-        ``mp.spawn`` (no ``RANK``), ``distrib_ctx`` was entered before this callback or its Learner was made, and
-        added no ``DistributedTrainer``. Every rank lacked ``RANK``, so every rank raises. Warn where the launcher
-        gave the ranks (torchrun) but no ``distrib_ctx`` was entered, as stock fastai trains each rank alone then."""
-        late, self._exported_ranks = self._exported_ranks, False
-        if trains_as_one_job(self.learn):
-            return
-        if late:
-            raise RuntimeError(
-                f"rank {topology.rank()}: fastai sees no distributed job: RANK and WORLD_SIZE were not in the "
-                "environment when learn.distrib_ctx() was entered (or it was not), so the model is not wrapped in "
-                "DistributedDataParallel and each rank would train alone. Initialise the process group, then make "
-                "RankSafe (or its Learner) before entering distrib_ctx, or call ranksafe.fastai.prepare_distributed() "
-                "right after init_process_group."
-            )
-        warnings.warn(
-            f"rank {topology.rank()}: {topology.world_size()} ranks, but the model is not wrapped in "
-            "DistributedDataParallel: each rank trains alone, on all the data. Fit inside learn.distrib_ctx()",
-            RuntimeWarning,
-            stacklevel=3,
-        )
 
     def _start_checkpointing(self, fit: Fit) -> None:
         if self._steps is None:

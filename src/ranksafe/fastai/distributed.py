@@ -5,7 +5,7 @@ does nothing (every process believes it is rank 0); with only ``WORLD_SIZE``, ac
 (every rank trains on shard 0). Without CUDA, accelerate picks non-distributed mode unless told ``cpu=True``, and
 ``DistributedDL`` sends its sample order through a CUDA tensor whatever the backend. :func:`prepare_distributed`
 exports the process group's ranks as torchrun would; :func:`any_backend` fixes one loader's broadcast, without
-changing fastai's class.
+changing fastai's class; :func:`refuse_training_alone` stops a fit in which fastai would train each rank alone.
 """
 
 from __future__ import annotations
@@ -70,6 +70,30 @@ def trains_as_one_job(learn: Any) -> bool:
     fsdp = sys.modules.get("torch.distributed.fsdp")
     kinds = (DistributedDataParallel, *((fsdp.FSDPModule, fsdp.FullyShardedDataParallel) if fsdp else ()))
     return any(isinstance(module, kinds) for module in learn.model.modules())
+
+
+def refuse_training_alone(learn: Any, late: bool) -> None:
+    """At the start of a fit on several ranks: raise if fastai trains each rank alone because the ranks were exported
+    too ``late`` for it (under ``mp.spawn``, no ``RANK``: ``distrib_ctx`` was entered before the process group's
+    ranks were exported, and added no ``DistributedTrainer``; every rank lacked ``RANK``, so every rank raises). Warn
+    where the launcher gave the ranks (torchrun) but no ``distrib_ctx`` was entered, as stock fastai trains each rank
+    alone then."""
+    if trains_as_one_job(learn):
+        return
+    if late:
+        raise RuntimeError(
+            f"rank {topology.rank()}: fastai sees no distributed job: RANK and WORLD_SIZE were not in the "
+            "environment when learn.distrib_ctx() was entered (or it was not), so the model is not wrapped in "
+            "DistributedDataParallel and each rank would train alone. Initialise the process group, then make "
+            "RankSafe (or its Learner) before entering distrib_ctx, or call ranksafe.fastai.prepare_distributed() "
+            "right after init_process_group."
+        )
+    warnings.warn(
+        f"rank {topology.rank()}: {topology.world_size()} ranks, but the model is not wrapped in "
+        "DistributedDataParallel: each rank trains alone, on all the data. Fit inside learn.distrib_ctx()",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def _broadcast(t: list, rank: int) -> list:
