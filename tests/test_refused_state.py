@@ -127,10 +127,76 @@ def test_a_sharded_dtensor_is_saved_whole_by_a_manager_and_refused_by_one_writer
         assert out["loaded"] == (out["full"], 3)
         for name in ("extra file", "save", "async"):  # what one writer writes whole is refused
             said = out[name]
-            assert "sharded DTensors ('" in said and "Shard(dim=0)" in said, (rank, name, said)
+            assert "sharded tensors ('" in said and "Shard(dim=0)" in said, (rank, name, said)
             assert "in a dict with CheckpointManager.save(step, {'model'" in said  # not "the call you just made"
         assert "RankFailure[ValueError]" in out["extra file"] and "ranks 0, 1, 2, 3" in out["extra file"]
         assert out["own shard"] == out["expected shard"]
+    assert not os.path.exists(tmp_path / "model.pt") and not os.path.exists(tmp_path / "async.pt")
+
+
+def _sharded_tensor(rank: int, fill: float) -> torch.Tensor:
+    """FSDP1's sharded tensor (what its sharded state dict holds): rows 0-3 on rank 0, rows 4-7 on rank 1."""
+    from torch.distributed._shard import sharded_tensor
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+
+    st = sharded_tensor.empty(ChunkShardingSpec(dim=0, placements=["rank:0/cpu", "rank:1/cpu"]), 8, 4)
+    for shard in st.local_shards():
+        shard.tensor.copy_(torch.arange(16.0).reshape(4, 4) + 16 * rank + fill)
+    return st
+
+
+def _local(st) -> list:
+    return [shard.tensor.tolist() for shard in st.local_shards()]
+
+
+def _sharded_tensors(rank, root):
+    import warnings
+
+    warnings.simplefilter("ignore")  # ShardedTensor is deprecated in favour of DTensor
+    st = _sharded_tensor(rank, 0.0)
+    out = {"expected": _local(st)}
+    # the control: rank 0 writes the state as torch.save sees it, which keeps rank 0's rows only
+    if rank == 0:
+        torch.save({"w": st}, os.path.join(root, "naive.pt"))
+    ranksafe.barrier("naive written")
+    if rank == 0:
+        out["naive rows"] = [
+            tuple(s.tensor.shape)
+            for s in torch.load(os.path.join(root, "naive.pt"), weights_only=False)["w"].local_shards()
+        ]
+    manager = ranksafe.CheckpointManager(os.path.join(root, "ckpt"))
+    manager.save(1, {"model": {"w": st}, "epoch": 3})
+    into = {"model": {"w": _sharded_tensor(rank, 100.0)}, "epoch": 0}
+    manager.load(into=into)
+    out["loaded"] = (_local(into["model"]["w"]), into["epoch"])
+    background = ranksafe.CheckpointManager(os.path.join(root, "async"), async_save=True)
+    for name, call in (
+        ("async manager", lambda: background.save(1, {"model": {"w": st}})),
+        ("save", lambda: ranksafe.save({"w": st}, os.path.join(root, "model.pt"))),
+        ("async", lambda: ranksafe.AsyncSaver().save({"w": st}, os.path.join(root, "async.pt"))),
+    ):
+        try:
+            call()
+            out[name] = "saved"
+        except ValueError as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    out["async steps"] = background.latest()
+    return out
+
+
+def test_fsdp1_sharded_tensors_are_saved_whole_by_a_manager_and_refused_by_one_writer(tmp_path):
+    """Before: CheckpointManager.save said "saved" on both ranks and wrote rank 0's four rows only; a load on rank 1
+    raised "Local rank at save time was 0, but at load time was 1", and ranksafe.save kept rank 0's rows too. Now a
+    step holds every rank's shard (through DCP, as for DTensors); an asynchronous one is refused on every rank."""
+    values = run_ranks(_sharded_tensors, 2, args=(str(tmp_path),), timeout=120).values
+    assert values[0]["naive rows"] == [(4, 4)], "the control must show one rank's shard only: 4 of 8 rows"
+    for rank, out in enumerate(values):
+        assert out["loaded"] == (out["expected"], 3), rank  # every rank wrote its shard, and reads it back
+        for name in ("save", "async"):
+            assert "sharded tensors ('w' ShardedTensor in 2 shards)" in out[name], (rank, name, out[name])
+        said = out["async manager"]  # its snapshot cannot copy one: refused on every rank, nothing committed
+        assert "RankFailure[ValueError]" in said and "ranks 0, 1" in said and "cannot be snapshotted" in said, said
+        assert out["async steps"] is None
     assert not os.path.exists(tmp_path / "model.pt") and not os.path.exists(tmp_path / "async.pt")
 
 

@@ -34,3 +34,12 @@ def test_every_global_a_checkpoint_index_may_name_still_exists():
             assert module_name == "pathlib._local", module_name  # pathlib's classes live there from Python 3.13
             continue
         assert hasattr(module, name), f"{module_name}.{name} is gone"
+
+
+def test_the_sharded_tensor_of_fsdp1_is_still_where_it_was():
+    import importlib
+
+    module = importlib.import_module(torch_compat.SHARDED_TENSOR)
+    kind = getattr(module, "ShardedTensor", None)
+    assert isinstance(kind, type), f"{torch_compat.SHARDED_TENSOR}.ShardedTensor is gone"
+    assert torch_compat.sharded_tensor_type() is kind

@@ -455,10 +455,10 @@ class CheckpointManager:
         side files use :meth:`saving`.
 
         A ``state`` holding ``DTensor`` objects (FSDP2, tensor parallelism; a dict of the state dicts
-        ``torch.distributed.checkpoint.state_dict.get_state_dict`` returns, or of ``Stateful`` objects) is saved
-        with ``torch.distributed.checkpoint`` instead: every rank writes its own shards, plain tensors and other
-        values go with them, and :meth:`load` with ``into=`` reads it back at any world size. The root must be
-        shared by every rank.
+        ``torch.distributed.checkpoint.state_dict.get_state_dict`` returns, or of ``Stateful`` objects), or FSDP1's
+        ``ShardedTensor`` objects (synchronous saves only), is saved with ``torch.distributed.checkpoint`` instead:
+        every rank writes its own shards, plain tensors and other values go with them, and :meth:`load` with
+        ``into=`` reads it back at any world size. The root must be shared by every rank.
 
         With ``async_save`` it returns once ``state`` and ``extra_files`` are snapshotted: the directory it
         returns is committed later, in the background (:meth:`wait`). Shards and side files are written

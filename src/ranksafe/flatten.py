@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from .torch_compat import sharded_tensor_type
+
 
 def dtensor_type() -> type | None:
     """``DTensor``, once something has imported it; else None, and then no state holds one (a DTensor is made only
@@ -183,6 +185,11 @@ class Flattened:
     def _tensor(self, t: torch.Tensor) -> Any:
         parts = _stageable(t)
         if parts is None:
+            if (sharded_tensor := sharded_tensor_type()) is not None and isinstance(t, sharded_tensor):
+                raise ValueError(
+                    f"a ShardedTensor of shape {tuple(t.size())} (FSDP1's sharded state) cannot be snapshotted: save "
+                    "it synchronously (async_save=False), or shard with FSDP2, whose DTensors can be"
+                )
             # Copied now: deep-copied, which keeps its type and flags, or cloned where deepcopy cannot reach the
             # storage. A tensor met again is the same copy.
             if id(t) not in self._memo:

@@ -1,5 +1,6 @@
 """Sharded state: tensors whose values are spread over several ranks (``DTensor`` sharded by FSDP2 or tensor
-parallelism), saved and loaded through ``torch.distributed.checkpoint`` (DCP) inside a step's commit.
+parallelism, FSDP1's ``ShardedTensor``), saved and loaded through ``torch.distributed.checkpoint`` (DCP) inside a
+step's commit.
 
 A sharded ``DTensor`` holds only this rank's part of the tensor. Saved by one writer, a checkpoint would keep that
 writer's shard and drop every other rank's, silently; so the single-writer saves (``ranksafe.save``,
@@ -38,6 +39,7 @@ from .commit import Place, verify_step
 from .flatten import dtensor_type
 from .remote import Remote
 from .storage import Placement, StorageKind
+from .torch_compat import sharded_tensor_type
 
 METADATA = ".metadata"  # DCP's own index of a checkpoint, written last by its coordinator
 _DCP_FILE = re.compile(r"__\d+_\d+\.distcp|\.metadata(\.tmp)?")  # what DCP's FileSystemWriter names its files
@@ -58,16 +60,22 @@ _PLAIN = frozenset({torch.Tensor, torch.nn.Parameter, int, float, bool, str, typ
 _PICKLED_WHOLE = (torch.nn.Module, torch.optim.Optimizer)  # hold their tensors: a pickle of one holds them too
 
 
-def _holds_dtensor(obj: Any, dtensor: type, in_objects: bool = False) -> bool:
-    """Whether nested dicts, lists and tuples hold a ``dtensor`` (``in_objects``: also inside a module or an optimizer
-    among them). Called on every save, so a container of plain values (a model's state dict) is looked at in one C
-    loop over its values' types."""
+def _sharded_kinds() -> tuple[type, ...]:
+    """The types of tensors spread over ranks that some state may hold by now: ``DTensor`` (FSDP2, tensor
+    parallelism) and FSDP1's ``ShardedTensor``, each once its module is imported (a state can hold one only then)."""
+    return tuple(kind for kind in (dtensor_type(), sharded_tensor_type()) if kind is not None)
+
+
+def _holds(obj: Any, kinds: tuple[type, ...], in_objects: bool = False) -> bool:
+    """Whether nested dicts, lists and tuples hold a tensor of one of ``kinds`` (``in_objects``: also inside a module
+    or an optimizer among them). Called on every save, so a container of plain values (a model's state dict) is looked
+    at in one C loop over its values' types."""
     values = obj.values() if isinstance(obj, Mapping) else obj if isinstance(obj, (list, tuple)) else None
     if values is None:
         if in_objects and isinstance(obj, _PICKLED_WHOLE):
-            return any(isinstance(t, dtensor) for _, t in _tensors_of(obj))
-        return isinstance(obj, dtensor)
-    return not _PLAIN.issuperset(map(type, values)) and any(_holds_dtensor(v, dtensor, in_objects) for v in values)
+            return any(isinstance(t, kinds) for _, t in _tensors_of(obj))
+        return isinstance(obj, kinds)
+    return not _PLAIN.issuperset(map(type, values)) and any(_holds(v, kinds, in_objects) for v in values)
 
 
 def _tensors_of(obj: torch.nn.Module | torch.optim.Optimizer) -> Iterator[tuple[str, Any]]:
@@ -97,18 +105,29 @@ def _leaves(obj: Any, key: str) -> Iterator[tuple[str, Any]]:
         yield key, obj
 
 
-def sharded_tensors(state: Any) -> dict[str, Any]:
-    """The ``DTensor`` objects in ``state`` that are not replicated on every rank of their mesh, by key path, with
-    their placements (``{"model.w": (Shard(dim=0),)}``), also those of a module or an optimizer in ``state``, which
-    a pickle of it holds."""
-    dtensor = dtensor_type()
-    if dtensor is None or not _holds_dtensor(state, dtensor, in_objects=True):
+def _spread(t: Any, dtensor: type | None) -> tuple[str, ...] | None:
+    """How ``t`` is spread over ranks, described (``DTensor`` placements, or a ``ShardedTensor``'s shards); None for a
+    tensor whole on every rank (a plain one, or a ``DTensor`` replicated on its whole mesh)."""
+    if dtensor is not None and isinstance(t, dtensor):
+        if t.device_mesh.size() > 1 and not all(p.is_replicate() for p in t.placements):
+            return tuple(map(repr, t.placements))
+        return None
+    sharded_tensor = sharded_tensor_type()
+    if sharded_tensor is not None and isinstance(t, sharded_tensor):
+        shards = len(t.metadata().shards_metadata)
+        return (f"ShardedTensor in {shards} shards",) if shards > 1 else None
+    return None
+
+
+def sharded_tensors(state: Any) -> dict[str, tuple[str, ...]]:
+    """The tensors in ``state`` that are spread over ranks, by key path, described (:func:`_spread`:
+    ``{"model.w": ("Shard(dim=0)",)}``), also those of a module or an optimizer in ``state``, which a pickle of it
+    holds."""
+    kinds = _sharded_kinds()
+    if not kinds or not _holds(state, kinds, in_objects=True):
         return {}
-    return {
-        key: tuple(t.placements)
-        for key, t in _leaves(state, "")
-        if isinstance(t, dtensor) and t.device_mesh.size() > 1 and not all(p.is_replicate() for p in t.placements)
-    }
+    dtensor = dtensor_type()
+    return {key: spread for key, t in _leaves(state, "") if (spread := _spread(t, dtensor)) is not None}
 
 
 def refuse_sharded(state: Any, what: str) -> None:
@@ -117,10 +136,10 @@ def refuse_sharded(state: Any, what: str) -> None:
     found = sharded_tensors(state)
     if not found:
         return
-    shown = ", ".join(f"{k!r} {', '.join(map(repr, p))}" for k, p in list(found.items())[:3])
+    shown = ", ".join(f"{k!r} {', '.join(p)}" for k, p in list(found.items())[:3])
     more = f" and {len(found) - 3} more" if len(found) > 3 else ""
     raise ValueError(
-        f"{what}: the state holds sharded DTensors ({shown}{more}); one writer would save its own shards only and "
+        f"{what}: the state holds sharded tensors ({shown}{more}); one writer would save its own shards only and "
         "drop the other ranks'. Save it in a dict with CheckpointManager.save(step, {'model': ..., 'optim': ...}), "
         "where every rank writes its shards (torch.distributed.checkpoint), or gather full tensors first "
         "(torch.distributed.checkpoint.state_dict.get_state_dict with StateDictOptions(full_state_dict=True))"
@@ -130,13 +149,13 @@ def refuse_sharded(state: Any, what: str) -> None:
 def for_dcp(state: Any) -> dict[str, Any] | None:
     """``state`` as DCP saves it when it holds a ``DTensor`` (top-level ``Stateful`` objects, such as an app state
     wrapping a model and its optimizer, replaced by their ``state_dict()``, as ``dcp.save`` does); else None."""
-    dtensor = dtensor_type()
-    if dtensor is None or not isinstance(state, Mapping):
+    kinds = _sharded_kinds()
+    if not kinds or not isinstance(state, Mapping):
         return None
     from torch.distributed.checkpoint.stateful import Stateful  # imported with DTensor by now: see dtensor_type
 
     flat = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
-    return flat if _holds_dtensor(flat, dtensor) else None
+    return flat if _holds(flat, kinds) else None
 
 
 def require_shared(where: Placement, root: str) -> None:

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch.distributed as dist
 
 DEFAULT_STORE = "_get_default_store"
@@ -33,3 +35,15 @@ DCP_METADATA_GLOBALS = frozenset({
 """The globals ``torch.distributed.checkpoint`` pickles into a checkpoint's ``.metadata`` (besides torch's dtypes), some
 of them private: a weights-only load of sharded state lets that file name these and nothing else
 (:mod:`ranksafe.shards`), as DCP itself reads it with ``pickle.load``, where any global runs."""
+
+
+SHARDED_TENSOR = "torch.distributed._shard.sharded_tensor"
+"""The package of ``ShardedTensor``, the sharded tensor of FSDP1's sharded state dicts (what
+``torch.distributed.checkpoint.state_dict.get_state_dict`` gives for an FSDP1 model). torch keeps it in a private
+package only; ranksafe must recognise one, since one writer would save its own shards of it and drop the other
+ranks'."""
+
+
+def sharded_tensor_type() -> type | None:
+    """``ShardedTensor``, once something has imported its package (no state holds one before); else None."""
+    return getattr(sys.modules.get(SHARDED_TENSOR), "ShardedTensor", None)
