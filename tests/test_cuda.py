@@ -175,32 +175,24 @@ def test_two_gloo_ranks_save_cuda_state_asynchronously(tmp_path):
 def test_lightning_fit_on_cuda_with_async_saves_resumes(tmp_path, monkeypatch):
     pl = pytest.importorskip("lightning.pytorch")
     from ranksafe.lightning import RankSafe
+    from tests.test_lightning_async import Model
 
     monkeypatch.chdir(tmp_path)
     trained_on: set[str] = set()
 
-    class Model(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layer = torch.nn.Linear(4, 1)
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            trained_on.add(self.layer.weight.device.type)
-            return torch.nn.functional.mse_loss(self.layer(x), y)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
+    class Device(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            trained_on.add(pl_module.device.type)
 
     def fit(epochs: int, **options) -> tuple[pl.Trainer, Model]:
         trainer = pl.Trainer(
             accelerator="gpu", devices=1, max_epochs=epochs, logger=False, enable_progress_bar=False,
             enable_model_summary=False, enable_checkpointing=False,
-            callbacks=[RankSafe(checkpoint_dir=tmp_path / "ckpt", keep=1, **options)],
+            callbacks=[Device(), RankSafe(checkpoint_dir=tmp_path / "ckpt", keep=1, **options)],
         )  # fmt: skip
         g = torch.Generator().manual_seed(0)
         data = torch.utils.data.TensorDataset(torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g))
-        model = Model()
+        model = Model(step_time=0)
         trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=4))
         return trainer, model
 
