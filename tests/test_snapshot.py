@@ -630,6 +630,28 @@ def test_a_container_met_twice_or_inside_itself_is_one_container_like_torch_save
         assert staging.allocations == 1
 
 
+class _HandsOutCopies(dict):
+    """A mapping that hands out a new copy of each container it holds (a defensive view, as some configs are)."""
+
+    def items(self):
+        for k, v in super().items():
+            yield k, v.copy()
+
+    def __copy__(self):
+        return _HandsOutCopies(dict.items(self))
+
+
+def test_containers_a_mapping_hands_out_anew_are_not_taken_for_one_another():
+    """Before (while the copies were keyed by the id of a container freed after its walk): the next temporary at the
+    same address was taken for it, and the snapshot held list0's values under list1, list2 and list3."""
+    config = _HandsOutCopies(
+        {f"{kind}{i}": [float(i)] if kind == "list" else {"x": float(i)} for i in range(4) for kind in ("list", "dict")}
+    )
+    snap = StagingBuffers().take({"w": torch.ones(2), "config": config})
+    saved = torch.load(io.BytesIO(_file({"config": config})), weights_only=False)
+    assert list(dict.items(snap["config"])) == list(dict.items(saved["config"])) == list(dict.items(config))
+
+
 def test_a_captured_snapshot_keeps_no_tensor_of_the_state_alive():
     """Tensors made for one save (a gathered full state, an EMA copy) are freed once copied, while the snapshot
     waits for its writer; one object under two keys is still one object when it is assembled."""

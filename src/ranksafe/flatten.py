@@ -125,7 +125,9 @@ class Flattened:
         self._clothes: dict[int, Clothes] = {}  # by slot: how a staged copy is dressed, read now, not at assembly
         self._containers: set[int] = set()  # ids of the containers this walk made: the ones assembly fills in
         self._memo: dict[int, Any] = {}  # deepcopy's: an object met twice is copied once
-        self._walked: dict[int, Any] = {}  # the same for the containers walked: their copies, by the original's id
+        # the same for the containers walked: (original, copy) by the original's id; the original is kept alive, or
+        # a temporary (a mapping may hand out a new container per lookup) could free its id for the next one
+        self._walked: dict[int, tuple[Any, Any]] = {}
         self.skeleton = self.walk(state)
         # which slots hold one object: ids taken while every original is alive, compared once assembled
         self._ids = list(map(id, self.originals))
@@ -138,7 +140,7 @@ class Flattened:
         if isinstance(obj, torch.Tensor):
             return self._tensor(obj)
         if (walked := self._walked.get(id(obj))) is not None:
-            return walked
+            return walked[1]
         if kind is dict:
             out = self._made(obj, {})  # known before its contents are walked: one that holds itself meets it
             tensor = torch.Tensor  # the bulk of a state: tensors in dicts, taken without the general path
@@ -179,7 +181,7 @@ class Flattened:
         """``copied``, the walk's copy of ``original``: assembly may fill it in place, and ``original`` met again
         is this copy."""
         self._containers.add(id(copied))
-        self._walked[id(original)] = copied
+        self._walked[id(original)] = (original, copied)
         return copied
 
     def _tensor(self, t: torch.Tensor) -> Any:
@@ -187,8 +189,9 @@ class Flattened:
         if parts is None:
             if (sharded_tensor := sharded_tensor_type()) is not None and isinstance(t, sharded_tensor):
                 raise ValueError(
-                    f"a ShardedTensor of shape {tuple(t.size())} (FSDP1's sharded state) cannot be snapshotted: save "
-                    "it synchronously (async_save=False), or shard with FSDP2, whose DTensors can be"
+                    f"a ShardedTensor of shape {tuple(t.size())} (FSDP1's sharded state) cannot be snapshotted for a "
+                    "background write: save it with a synchronous CheckpointManager (async_save=False), or shard "
+                    "with FSDP2, whose DTensors can be"
                 )
             # Copied now: deep-copied, which keeps its type and flags, or cloned where deepcopy cannot reach the
             # storage. A tensor met again is the same copy.
