@@ -134,12 +134,14 @@ def test_a_sharded_dtensor_is_saved_whole_by_a_manager_and_refused_by_one_writer
     assert not os.path.exists(tmp_path / "model.pt") and not os.path.exists(tmp_path / "async.pt")
 
 
-def _sharded_tensor(rank: int, fill: float) -> torch.Tensor:
-    """FSDP1's sharded tensor (what its sharded state dict holds): rows 0-3 on rank 0, rows 4-7 on rank 1."""
+def _sharded_tensor(rank: int, fill: float, ranks: int = 2) -> torch.Tensor:
+    """FSDP1's sharded tensor (what its sharded state dict holds): rows 0-3 on rank 0, rows 4-7 on rank 1; with
+    ``ranks=1``, 4 rows on rank 0 alone (FSDP1 chunks a small bias so)."""
     from torch.distributed._shard import sharded_tensor
     from torch.distributed._shard.sharding_spec import ChunkShardingSpec
 
-    st = sharded_tensor.empty(ChunkShardingSpec(dim=0, placements=["rank:0/cpu", "rank:1/cpu"]), 8, 4)
+    placements = [f"rank:{r}/cpu" for r in range(ranks)]
+    st = sharded_tensor.empty(ChunkShardingSpec(dim=0, placements=placements), 4 * ranks, 4)
     for shard in st.local_shards():
         shard.tensor.copy_(torch.arange(16.0).reshape(4, 4) + 16 * rank + fill)
     return st
@@ -153,8 +155,8 @@ def _sharded_tensors(rank, root):
     import warnings
 
     warnings.simplefilter("ignore")  # ShardedTensor is deprecated in favour of DTensor
-    st = _sharded_tensor(rank, 0.0)
-    out = {"expected": _local(st)}
+    st, bias = _sharded_tensor(rank, 0.0), _sharded_tensor(rank, 0.0, ranks=1)
+    out = {"expected": (_local(st), _local(bias))}
     # the control: rank 0 writes the state as torch.save sees it, which keeps rank 0's rows only
     if rank == 0:
         torch.save({"w": st}, os.path.join(root, "naive.pt"))
@@ -165,14 +167,15 @@ def _sharded_tensors(rank, root):
             for s in torch.load(os.path.join(root, "naive.pt"), weights_only=False)["w"].local_shards()
         ]
     manager = ranksafe.CheckpointManager(os.path.join(root, "ckpt"))
-    manager.save(1, {"model": {"w": st}, "epoch": 3})
-    into = {"model": {"w": _sharded_tensor(rank, 100.0)}, "epoch": 0}
+    manager.save(1, {"model": {"w": st, "b": bias}, "epoch": 3})
+    into = {"model": {"w": _sharded_tensor(rank, 100.0), "b": _sharded_tensor(rank, 100.0, ranks=1)}, "epoch": 0}
     manager.load(into=into)
-    out["loaded"] = (_local(into["model"]["w"]), into["epoch"])
+    out["loaded"] = ((_local(into["model"]["w"]), _local(into["model"]["b"])), into["epoch"])
     background = ranksafe.CheckpointManager(os.path.join(root, "async"), async_save=True)
     for name, call in (
         ("async manager", lambda: background.save(1, {"model": {"w": st}})),
         ("save", lambda: ranksafe.save({"w": st}, os.path.join(root, "model.pt"))),
+        ("one shard", lambda: ranksafe.save({"b": bias}, os.path.join(root, "bias.pt"))),
         ("async", lambda: ranksafe.AsyncSaver().save({"w": st}, os.path.join(root, "async.pt"))),
     ):
         try:
@@ -194,10 +197,28 @@ def test_fsdp1_sharded_tensors_are_saved_whole_by_a_manager_and_refused_by_one_w
         assert out["loaded"] == (out["expected"], 3), rank  # every rank wrote its shard, and reads it back
         for name in ("save", "async"):
             assert "sharded tensors ('w' ShardedTensor in 2 shards)" in out[name], (rank, name, out[name])
+        # one shard is still one rank's: its pickle loads on that rank only
+        assert "sharded tensors ('b' ShardedTensor in 1 shard)" in out["one shard"], (rank, out["one shard"])
         said = out["async manager"]  # its snapshot cannot copy one: refused on every rank, nothing committed
         assert "RankFailure[ValueError]" in said and "ranks 0, 1" in said and "cannot be snapshotted" in said, said
         assert out["async steps"] is None
-    assert not os.path.exists(tmp_path / "model.pt") and not os.path.exists(tmp_path / "async.pt")
+    assert not {"model.pt", "bias.pt", "async.pt"} & set(os.listdir(tmp_path))
+
+
+def test_a_state_that_holds_itself_is_saved_where_dtensors_may_be(tmp_path):
+    """Before: once torch.distributed.tensor was imported (DCP, FSDP2 and many libraries import it), the search for
+    sharded tensors recursed into a state holding itself until RecursionError, in AsyncSaver.save and in a save of
+    the manager."""
+    import torch.distributed.tensor  # what makes every save look for DTensors
+
+    state = {"w": torch.ones(2)}
+    state["self"] = state
+    assert ranksafe.sharded.sharded_tensors(state) == {} and ranksafe.sharded.for_dcp(state) is None
+    manager = ranksafe.CheckpointManager(tmp_path / "ckpt", async_save=True)
+    manager.save(1, state)
+    loaded = manager.load(weights_only=False)
+    manager.close()
+    assert loaded["self"] is loaded and torch.equal(loaded["w"], state["w"])
 
 
 def _dtensor_on_rank_0_only(rank, root, async_save):

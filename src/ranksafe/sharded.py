@@ -66,16 +66,22 @@ def _sharded_kinds() -> tuple[type, ...]:
     return tuple(kind for kind in (dtensor_type(), sharded_tensor_type()) if kind is not None)
 
 
-def _holds(obj: Any, kinds: tuple[type, ...], in_objects: bool = False) -> bool:
+def _holds(obj: Any, kinds: tuple[type, ...], in_objects: bool = False, seen: set[int] | None = None) -> bool:
     """Whether nested dicts, lists and tuples hold a tensor of one of ``kinds`` (``in_objects``: also inside a module
     or an optimizer among them). Called on every save, so a container of plain values (a model's state dict) is looked
-    at in one C loop over its values' types."""
+    at in one C loop over its values' types. ``seen``: the containers looked into already (one may hold itself)."""
     values = obj.values() if isinstance(obj, Mapping) else obj if isinstance(obj, (list, tuple)) else None
     if values is None:
         if in_objects and isinstance(obj, _PICKLED_WHOLE):
             return any(isinstance(t, kinds) for _, t in _tensors_of(obj))
         return isinstance(obj, kinds)
-    return not _PLAIN.issuperset(map(type, values)) and any(_holds(v, kinds, in_objects) for v in values)
+    if _PLAIN.issuperset(map(type, values)):
+        return False
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return False
+    seen.add(id(obj))
+    return any(_holds(v, kinds, in_objects, seen) for v in values)
 
 
 def _tensors_of(obj: torch.nn.Module | torch.optim.Optimizer) -> Iterator[tuple[str, Any]]:
@@ -89,15 +95,20 @@ def _tensors_of(obj: torch.nn.Module | torch.optim.Optimizer) -> Iterator[tuple[
             yield f"param_groups[{i}]['params'][{j}]", param
 
 
-def _leaves(obj: Any, key: str) -> Iterator[tuple[str, Any]]:
+def _leaves(obj: Any, key: str, seen: set[int] | None = None) -> Iterator[tuple[str, Any]]:
     """``(key path, value)`` of every value in nested dicts, lists and tuples (``"model.w"``, ``"groups[0]"``), and of
-    every tensor of a module or an optimizer among them."""
+    every tensor of a module or an optimizer among them; a container met again (one that holds itself) is skipped."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, (Mapping, list, tuple)):
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
     if isinstance(obj, Mapping):
         for k, v in obj.items():
-            yield from _leaves(v, f"{key}.{k}" if key else str(k))
+            yield from _leaves(v, f"{key}.{k}" if key else str(k), seen)
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
-            yield from _leaves(v, f"{key}[{i}]")
+            yield from _leaves(v, f"{key}[{i}]", seen)
     elif isinstance(obj, _PICKLED_WHOLE):
         for name, t in _tensors_of(obj):
             yield f"{key}.{name}" if key else name, t
@@ -107,15 +118,17 @@ def _leaves(obj: Any, key: str) -> Iterator[tuple[str, Any]]:
 
 def _spread(t: Any, dtensor: type | None) -> tuple[str, ...] | None:
     """How ``t`` is spread over ranks, described (``DTensor`` placements, or a ``ShardedTensor``'s shards); None for a
-    tensor whole on every rank (a plain one, or a ``DTensor`` replicated on its whole mesh)."""
+    tensor whole on every rank (a plain one, or a ``DTensor`` replicated on its whole mesh). A ``ShardedTensor`` is
+    spread even in one shard when there are several ranks: its pickle holds the saving rank's shards and loads on
+    that rank only."""
     if dtensor is not None and isinstance(t, dtensor):
         if t.device_mesh.size() > 1 and not all(p.is_replicate() for p in t.placements):
             return tuple(map(repr, t.placements))
         return None
     sharded_tensor = sharded_tensor_type()
-    if sharded_tensor is not None and isinstance(t, sharded_tensor):
+    if sharded_tensor is not None and isinstance(t, sharded_tensor) and topology.world_size() > 1:
         shards = len(t.metadata().shards_metadata)
-        return (f"ShardedTensor in {shards} shards",) if shards > 1 else None
+        return (f"ShardedTensor in {shards} shard{'s' if shards > 1 else ''}",)
     return None
 
 
