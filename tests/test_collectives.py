@@ -357,28 +357,41 @@ def test_a_rank_that_fails_alone_and_goes_on_is_reported_and_later_collectives_d
     assert kind.startswith("RankFailure") and "rank 1" in msg and seconds < 10
 
 
-def _fails_inside_together(rank):
-    """Rank 1 fails inside a shared block; rank 0 reaches a collective inside the same block."""
+def _fails_inside_together(rank, interrupt):
+    """Rank 1 fails inside a shared block; rank 0 reaches a collective inside the same block. Then both meet again."""
     ranksafe.barrier("warm")
     start = time.monotonic()
+    out = {}
     try:
         with ranksafe.together("epoch", timeout=20):
             if rank == 1:
-                raise OSError(28, "No space left on device (injected on rank 1)")
+                raise KeyboardInterrupt if interrupt else OSError(28, "No space left on device (injected on rank 1)")
             ranksafe.barrier("inside the epoch", timeout=20)
-    except Exception as e:
-        return {"type": type(e).__name__, "msg": str(e)[:300], "seconds": time.monotonic() - start}
-    return "no error"
+    except BaseException as e:
+        cause = e.__cause__
+        out = {"type": type(e).__name__, "msg": str(e)[:300], "cause": type(cause).__name__ if cause else None}
+    out["seconds"] = time.monotonic() - start
+    out["after"] = _outcome(lambda: ranksafe.barrier("after the epoch", timeout=20))  # rank 1 at once, in the grace
+    return out
 
 
-def test_a_failure_inside_together_reaches_a_rank_waiting_in_a_collective_inside_the_block():
+@pytest.mark.parametrize("interrupt", [False, True], ids=["OSError", "KeyboardInterrupt"])
+def test_a_failure_inside_together_reaches_a_rank_waiting_in_a_collective_inside_the_block(interrupt):
     """Before: rank 1's outcome of the block met rank 0's barrier inside it: CollectiveMismatch on both ranks, and
-    the disk-full error reached neither rank 0 nor the message rank 1 raised."""
-    r0, r1 = run_ranks(_fails_inside_together, 2, timeout=60).values
+    the disk-full error reached neither rank 0 nor the message rank 1 raised. Then, with the error shared, rank 0
+    still ran the block's outcome exchange, which met rank 1's next barrier: CollectiveMismatch again, and the
+    ranks out of step."""
+    r0, r1 = run_ranks(_fails_inside_together, 2, args=(interrupt,), timeout=60).values
     print(r0, r1, sep="\n")
+    shared = "RankFailure" if interrupt else "RankFailure[OSError]"  # KeyboardInterrupt mixes with no RankFailure
+    error = "KeyboardInterrupt" if interrupt else "OSError: [Errno 28] No space left"
+    assert r0["type"] == shared and f"rank 1: {error}" in r0["msg"] and r0["cause"] is None, r0
+    if interrupt:  # no Exception: the failing rank gets its own, as in a single process
+        assert r1["type"] == "KeyboardInterrupt", r1
+    else:  # the shared error, its own chained
+        assert r1["type"] == "RankFailure[OSError]" and "No space left" in r1["msg"] and r1["cause"] == "OSError", r1
     for r, out in enumerate((r0, r1)):
-        assert out["type"] == "RankFailure[OSError]" and "rank 1" in out["msg"] and "No space left" in out["msg"], r
-        assert out["seconds"] < 10, r
+        assert out["seconds"] < 5 and out["after"] == "ok", (r, out)  # in step again, no grace waited for
 
 
 def _main_fails_alone(rank):

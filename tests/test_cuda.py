@@ -1,7 +1,9 @@
 """The CUDA paths, run where a GPU is: ``pytest -m cuda``. Skipped (never failed) on a machine without one.
 
-Each test mutates the GPU state right after a save returns: the kernels it queues run after the snapshot's
-non-blocking copies, so a snapshot that returned before its copies finished holds the new values, not the saved ones.
+Each test mutates the GPU state right after a save returns, and checks that the file holds the values of the save:
+the later steps never reach it. The state holds 16 MiB, so that a snapshot that returned before its non-blocking
+copies to the host ended would let the writer read its pinned buffers while they fill (caught by the values, unless
+the write happens to start late).
 """
 
 from __future__ import annotations
@@ -140,7 +142,8 @@ def _nccl_one_rank(rank: int, root: str, port: int) -> dict:
 
 
 def test_collectives_and_checkpoints_under_an_nccl_process_group(tmp_path):
-    """One GPU hosts one NCCL rank: the world of one, through every collective path a save and a load take."""
+    """One GPU hosts one NCCL rank: a world of one, where ranksafe's collectives take their one-process path, and the
+    manager, DCP with a DTensor on the GPU, and a damaged step's error run under an NCCL process group."""
     (out,) = run_ranks(_nccl_one_rank, 1, args=(str(tmp_path), free_port()), init=False, timeout=180).values
     assert out["backend"] == "nccl" and out["agree"] == 3 and out["broadcast"] == {"a": 1}
     assert out["plain differs"] == []

@@ -61,12 +61,20 @@ def exchange_outcome(
     failed inside this one already raised it on every rank, with its type). The values are not reduced when a rank
     failed. ``name`` and ``what`` as in :func:`exchange`.
     """
+    if isinstance(exc, RankFailure) and exc.out_of_step:
+        raise exc  # every rank left the block with it already: an exchange now would meet none of them
     mine = None if exc is None else Failure.from_exception(topology.rank(), exc)
     if exc is not None:
         # posted first: a rank still inside the block, in a collective of its own, meets this post under another
         # name, and must raise this failure, not a mismatch (the abort is withdrawn once every rank posts here)
         abort(exc)
-    result, failures = exchange(name, (value, mine), _values_and_failures(reduce), timeout, what)
+    shared = None
+    try:
+        result, failures = exchange(name, (value, mine), _values_and_failures(reduce), timeout, what)
+    except RankFailure as e:
+        if exc is None:
+            raise
+        shared, failures = e, e.failures  # decided without the values: a rank gone, or ranks out of step
     if failures:
         if exc is not None and (topology.world_size() == 1 or not isinstance(exc, Exception)):
             raise exc
@@ -74,7 +82,7 @@ def exchange_outcome(
             (f.type_name, f.message) == (mine.type_name, mine.message) for f in failures
         ):
             raise exc
-        raise rank_failure(what or name, failures) from exc
+        raise (shared or rank_failure(what or name, failures)) from exc
     return result
 
 

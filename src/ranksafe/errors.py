@@ -134,6 +134,11 @@ class RankFailure(RankSafeError, RuntimeError):
     instance of that type, so ``except FileNotFoundError`` works on every rank, not only the failing one.
     """
 
+    out_of_step = False
+    """Decided where the ranks were in different collectives (a rank had left a shared block with its failure while
+    the others were still inside): every rank left the collective it was in, and a shared block around it ends without
+    another exchange (:func:`~ranksafe.collectives.exchange_outcome`)."""
+
     def __init__(self, what: str, failures: list[Failure]):
         self.what = what
         self.failures = list(failures)

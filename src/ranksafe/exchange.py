@@ -296,7 +296,7 @@ def _reduce(s: Session, keys: _Keys, reduce: Callable[[list], Any]) -> Outcome:
         # its symptom. Its abort stands: the ranks are out of step, and a later exchange it misses gives up after
         # the grace instead of the timeout.
         fresh = tuple(a.failure for a in _aborts(s) if a.at >= s.seq - 1)
-        return Failed(fresh) if fresh else Diverged(names)
+        return Failed(fresh, out_of_step=True) if fresh else Diverged(names)
     _clear_stale_aborts(s)
     if unposted := tuple(v.failure for _, v in posted if isinstance(v, _Unposted)):
         return Failed(unposted)

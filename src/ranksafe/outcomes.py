@@ -52,13 +52,21 @@ class Diverged:
 
 @dataclass(frozen=True)
 class Failed:
-    """Ranks failed: aborted ranks the exchange waited for in vain, or rank 0's reduction of the values."""
+    """Ranks failed: aborted ranks the exchange waited for in vain, or rank 0's reduction of the values.
+
+    ``out_of_step``: the ranks had posted to different collectives, and a rank's fresh failure explains why (it left
+    a shared block, or caught its error and went on, while the others were still in the block's collectives). The
+    exchange ends the collective every rank was in: shared blocks around it end without an exchange of their own
+    (:attr:`~ranksafe.RankFailure.out_of_step`), so that every rank is in step again after it."""
 
     failures: tuple[Failure, ...]
+    out_of_step: bool = False
 
     def settle(self, what: str, timeout: float) -> Any:
         """Raise the same :class:`RankFailure` (of the failures' type, when they share one) on every rank."""
-        raise rank_failure(what, list(self.failures))
+        error = rank_failure(what, list(self.failures))
+        error.out_of_step = self.out_of_step
+        raise error
 
 
 Outcome = Agreed | TimedOut | Diverged | Failed

@@ -46,15 +46,14 @@ def check_savers(savers: Iterable[AsyncSaver], name: str = "async save", point: 
     asked = [(writer_group(saver.writer), saver.take_asked()) for saver in savers]
     try:
         apart = exchange_outcome(f"outcome:{name}: {point}", asked, err, _apart_per_saver, what=f"{name}: {point}")
-    except (BarrierTimeout, CollectiveMismatch):
-        if owner is not None:
-            owner.restore_error(err)
-        for saver, (_, paths) in zip(savers, asked, strict=True):
-            saver.restore_asked(paths)
-        raise
     except RankFailure as e:
-        if owner is not None and topology.rank() not in e.ranks:  # decided without this rank's failure (a rank gone)
-            owner.restore_error(err)  # so it is reported later, or printed at exit, not lost
+        unexchanged = isinstance(e, (BarrierTimeout, CollectiveMismatch))
+        # decided without this rank's failure (a rank gone, ranks out of step): reported later, or printed at exit
+        if owner is not None and (unexchanged or topology.rank() not in e.ranks):
+            owner.restore_error(err)
+        if unexchanged or e.out_of_step:  # the paths were not compared: the next check compares them
+            for saver, (_, paths) in zip(savers, asked, strict=True):
+                saver.restore_asked(paths)
         raise
     for saver, paths in zip(savers, apart, strict=False):  # shorter where a rank passed fewer savers
         refuse_paths_apart(saver.writer, paths, saver.name)
