@@ -9,7 +9,8 @@ allocator kept would otherwise be reused silently and hide a later method's allo
     python -m benchmarks --sizes-mib 100 1024  # the long run
     python -m benchmarks --quick               # 8 MiB, 3 reps: a smoke test of every method
 
-Where CUDA is available, the GPU benchmark (cuda_async) runs too, at 1 and 4 GiB.
+Where CUDA is available, the GPU benchmark (cuda_async) runs too, at the same sizes (``python -m benchmarks.cuda_async``
+alone measures 1 and 4 GiB).
 """
 
 from __future__ import annotations
