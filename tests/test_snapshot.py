@@ -631,25 +631,30 @@ def test_a_container_met_twice_or_inside_itself_is_one_container_like_torch_save
 
 
 class _HandsOutCopies(dict):
-    """A mapping that hands out a new copy of each container it holds (a defensive view, as some configs are)."""
+    """A mapping that hands out a new copy of each value it holds (a defensive view, as some configs are)."""
 
     def items(self):
         for k, v in super().items():
-            yield k, v.copy()
+            yield k, v.clone() if isinstance(v, torch.Tensor) else v.copy()
 
     def __copy__(self):
         return _HandsOutCopies(dict.items(self))
 
 
 def test_containers_a_mapping_hands_out_anew_are_not_taken_for_one_another():
-    """Before (while the copies were keyed by the id of a container freed after its walk): the next temporary at the
-    same address was taken for it, and the snapshot held list0's values under list1, list2 and list3."""
+    """Before (while the copies were keyed by the id of a container or a tensor freed after its walk): the next
+    temporary at the same address was taken for it, and the snapshot held list0's values under list1 to list3, and
+    t0's and t1's under t2 and t3."""
     config = _HandsOutCopies(
         {f"{kind}{i}": [float(i)] if kind == "list" else {"x": float(i)} for i in range(4) for kind in ("list", "dict")}
     )
     snap = StagingBuffers().take({"w": torch.ones(2), "config": config})
     saved = torch.load(io.BytesIO(_file({"config": config})), weights_only=False)
     assert list(dict.items(snap["config"])) == list(dict.items(saved["config"])) == list(dict.items(config))
+    # tensors copied whole (cloned: compressed sparse), handed out anew per lookup too
+    sparse = _HandsOutCopies({f"t{i}": torch.tensor([[float(i), 0.0], [0.0, 1.0]]).to_sparse_csr() for i in range(4)})
+    snap = StagingBuffers().take({"w": torch.ones(2), "sparse": sparse})
+    assert [float(v.to_dense()[0, 0]) for v in dict.values(snap["sparse"])] == [0.0, 1.0, 2.0, 3.0]
 
 
 def test_a_captured_snapshot_keeps_no_tensor_of_the_state_alive():

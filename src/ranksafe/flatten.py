@@ -128,6 +128,7 @@ class Flattened:
         # the same for the containers walked: (original, copy) by the original's id; the original is kept alive, or
         # a temporary (a mapping may hand out a new container per lookup) could free its id for the next one
         self._walked: dict[int, tuple[Any, Any]] = {}
+        self._kept: list[torch.Tensor] = []  # the tensors copied whole, whose ids key their copies in _memo
         self.skeleton = self.walk(state)
         # which slots hold one object: ids taken while every original is alive, compared once assembled
         self._ids = list(map(id, self.originals))
@@ -198,6 +199,7 @@ class Flattened:
             if id(t) not in self._memo:
                 unreachable = t.is_nested or t.layout in _COMPRESSED
                 self._memo[id(t)] = t.detach().clone() if unreachable else copy.deepcopy(t, self._memo)
+                self._kept.append(t)  # its id keys the copy: alive until the walk ends (deepcopy keeps its own so)
             return self._memo[id(t)]
         slot = _Slot(len(self.sources))
         self.sources.append(parts[0])
@@ -223,7 +225,7 @@ class Flattened:
         """Once the sources are copied: drop every reference to the live state (the sources, the originals, and
         deepcopy's memo, which keeps alive what it copied), so that a snapshot waiting for its writer keeps no
         tensor of training alive."""
-        self.sources, self.originals, self._memo, self._walked = [], [], {}, {}
+        self.sources, self.originals, self._memo, self._walked, self._kept = [], [], {}, {}, []
 
     def assemble(self, staged: list[torch.Tensor]) -> Any:
         """The skeleton holding ``staged`` (one copy per source, in slot order), dressed as the originals were.
