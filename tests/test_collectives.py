@@ -357,41 +357,59 @@ def test_a_rank_that_fails_alone_and_goes_on_is_reported_and_later_collectives_d
     assert kind.startswith("RankFailure") and "rank 1" in msg and seconds < 10
 
 
-def _fails_inside_together(rank, interrupt):
-    """Rank 1 fails inside a shared block; rank 0 reaches a collective inside the same block. Then both meet again."""
+def _fails_inside_together(rank, scenario):
+    """Rank 1 fails inside a shared block while rank 0 is still inside it; then both meet again.
+
+    ``inner``: rank 0 waits in a barrier inside the block (``interrupt``: rank 1's error is a KeyboardInterrupt);
+    ``nested``: rank 1 fails in the block before an inner block of the same name, which rank 0 goes through;
+    ``late``: as ``inner``, and rank 1 comes to the next barrier 3 s later (more than the grace);
+    ``slow``: as ``inner``, and rank 1 takes 3 s to leave the block (its abort posted first, by abort_on_error)."""
     ranksafe.barrier("warm")
     start = time.monotonic()
     out = {}
     try:
         with ranksafe.together("epoch", timeout=20):
             if rank == 1:
-                raise KeyboardInterrupt if interrupt else OSError(28, "No space left on device (injected on rank 1)")
-            ranksafe.barrier("inside the epoch", timeout=20)
+                try:
+                    with ranksafe.abort_on_error():  # posts the failure on its way out
+                        raise KeyboardInterrupt if scenario == "interrupt" else OSError(28, "No space left on device")
+                finally:
+                    time.sleep(3 if scenario == "slow" else 0)  # a clean-up, after the abort, before the block ends
+            if scenario == "nested":
+                with ranksafe.together("epoch", timeout=20):
+                    pass
+            else:
+                ranksafe.barrier("inside the epoch", timeout=20)
     except BaseException as e:
         cause = e.__cause__
         out = {"type": type(e).__name__, "msg": str(e)[:300], "cause": type(cause).__name__ if cause else None}
     out["seconds"] = time.monotonic() - start
-    out["after"] = _outcome(lambda: ranksafe.barrier("after the epoch", timeout=20))  # rank 1 at once, in the grace
+    if rank == 1 and scenario == "late":
+        time.sleep(3)
+    out["after"] = _outcome(lambda: ranksafe.barrier("after the epoch", timeout=20))
     return out
 
 
-@pytest.mark.parametrize("interrupt", [False, True], ids=["OSError", "KeyboardInterrupt"])
-def test_a_failure_inside_together_reaches_a_rank_waiting_in_a_collective_inside_the_block(interrupt):
-    """Before: rank 1's outcome of the block met rank 0's barrier inside it: CollectiveMismatch on both ranks, and
-    the disk-full error reached neither rank 0 nor the message rank 1 raised. Then, with the error shared, rank 0
-    still ran the block's outcome exchange, which met rank 1's next barrier: CollectiveMismatch again, and the
-    ranks out of step."""
-    r0, r1 = run_ranks(_fails_inside_together, 2, args=(interrupt,), timeout=60).values
+@pytest.mark.parametrize("scenario", ["inner", "interrupt", "nested", "late", "slow"])
+def test_a_failure_inside_together_reaches_a_rank_still_in_the_block_and_leaves_the_ranks_in_step(scenario):
+    """Before: rank 1's outcome of the block met rank 0's barrier inside it: CollectiveMismatch on both ranks, the
+    disk-full error on neither. With the error shared, rank 0 still ran the block's outcome exchange, which met rank
+    1's next barrier (CollectiveMismatch again, the ranks out of step). An inner block of the same name met rank 1's
+    outcome of the outer one as if they were one. A rank 1 that came to the next barrier after the grace was taken
+    for gone (its abort stood), and one slow to leave the block was given up on, the ranks out of step again."""
+    r0, r1 = run_ranks(_fails_inside_together, 2, args=(scenario,), timeout=60).values
     print(r0, r1, sep="\n")
+    interrupt = scenario == "interrupt"
     shared = "RankFailure" if interrupt else "RankFailure[OSError]"  # KeyboardInterrupt mixes with no RankFailure
     error = "KeyboardInterrupt" if interrupt else "OSError: [Errno 28] No space left"
     assert r0["type"] == shared and f"rank 1: {error}" in r0["msg"] and r0["cause"] is None, r0
     if interrupt:  # no Exception: the failing rank gets its own, as in a single process
         assert r1["type"] == "KeyboardInterrupt", r1
     else:  # the shared error, its own chained
-        assert r1["type"] == "RankFailure[OSError]" and "No space left" in r1["msg"] and r1["cause"] == "OSError", r1
+        assert r1["type"] == shared and f"rank 1: {error}" in r1["msg"] and r1["cause"] == "OSError", r1
+    slow = 3 if scenario == "slow" else 0
     for r, out in enumerate((r0, r1)):
-        assert out["seconds"] < 5 and out["after"] == "ok", (r, out)  # in step again, no grace waited for
+        assert out["seconds"] < slow + 3 and out["after"] == "ok", (r, out)  # in step again
 
 
 def _main_fails_alone(rank):

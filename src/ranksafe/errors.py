@@ -135,9 +135,10 @@ class RankFailure(RankSafeError, RuntimeError):
     """
 
     out_of_step = False
-    """Decided where the ranks were in different collectives (a rank had left a shared block with its failure while
-    the others were still inside): every rank left the collective it was in, and a shared block around it ends without
-    another exchange (:func:`~ranksafe.collectives.exchange_outcome`)."""
+    """Decided where the ranks were not all in one collective (a rank had left a shared block with its failure while
+    the others were still inside, or had aborted and not come): every rank left the collective it was in, and a shared
+    block around it ends without another exchange (:func:`~ranksafe.collectives.exchange_outcome`). Let it leave the
+    block: caught inside it, the block would exchange once more, with ranks that are past it."""
 
     def __init__(self, what: str, failures: list[Failure]):
         self.what = what

@@ -278,7 +278,7 @@ def _collect(s: Session, keys: _Keys, reduce: Callable[[list], Any], timeout: fl
     while (state := _wait_for(s, keys.posts, deadline, keys.outcome)) is Wait.GRACE_OVER:
         gone = _gone(s, keys)
         if gone:
-            return Failed(tuple(gone))
+            return Failed(tuple(gone), out_of_step=True)
     if state is Wait.DECIDED:
         return None
     if state is Wait.TIMED_OUT:
@@ -291,12 +291,15 @@ def _reduce(s: Session, keys: _Keys, reduce: Callable[[list], Any]) -> Outcome:
     posted = [pickle.loads(b) for b in s.store.multi_get(keys.posts)]
     names = tuple(n for n, _ in posted)
     if len(set(names)) > 1:
-        # A rank that failed alone, caught its error and went on posts its next collective where the others still
-        # wait in theirs: its failure (posted since the exchange before this one) is the cause, the mismatch only
-        # its symptom. Its abort stands: the ranks are out of step, and a later exchange it misses gives up after
-        # the grace instead of the timeout.
+        # A rank that failed and left a shared block (or failed alone, caught its error and went on) posts its next
+        # collective where the others still wait in theirs: its failure (posted since the exchange before this one)
+        # is the cause, the mismatch only its symptom. Every rank leaves the collective it is in with it, and is in
+        # step again (Failed.out_of_step): the aborts are withdrawn, as every rank posted here.
         fresh = tuple(a.failure for a in _aborts(s) if a.at >= s.seq - 1)
-        return Failed(fresh, out_of_step=True) if fresh else Diverged(names)
+        if not fresh:
+            return Diverged(names)
+        _clear_stale_aborts(s)
+        return Failed(fresh, out_of_step=True)
     _clear_stale_aborts(s)
     if unposted := tuple(v.failure for _, v in posted if isinstance(v, _Unposted)):
         return Failed(unposted)
@@ -322,7 +325,7 @@ def _follow(s: Session, keys: _Keys, timeout: float) -> Outcome:
             return _decide(s, keys, TimedOut(tuple(_missing(s, keys) or [0])))
         gone = _gone(s, keys)
         if gone:
-            return _decide(s, keys, Failed(tuple(gone)))
+            return _decide(s, keys, Failed(tuple(gone), out_of_step=True))
 
 
 def _wait_for(s: Session, keys: list[str], deadline: float, decided: str | None = None) -> Wait:

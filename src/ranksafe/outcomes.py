@@ -54,10 +54,11 @@ class Diverged:
 class Failed:
     """Ranks failed: aborted ranks the exchange waited for in vain, or rank 0's reduction of the values.
 
-    ``out_of_step``: the ranks had posted to different collectives, and a rank's fresh failure explains why (it left
-    a shared block, or caught its error and went on, while the others were still in the block's collectives). The
-    exchange ends the collective every rank was in: shared blocks around it end without an exchange of their own
-    (:attr:`~ranksafe.RankFailure.out_of_step`), so that every rank is in step again after it."""
+    ``out_of_step``: the ranks were not all in this collective: they had posted to different ones, and a rank's fresh
+    failure explains why (it left a shared block, or caught its error and went on, while the others were still in
+    the block's collectives); or the exchange gave up on aborted ranks that had not posted (one that comes late reads
+    this outcome). The exchange ends the collective every rank was in: shared blocks around it end without an
+    exchange of their own (:attr:`~ranksafe.RankFailure.out_of_step`), so that every rank is in step after it."""
 
     failures: tuple[Failure, ...]
     out_of_step: bool = False
