@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import math
 import socket
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -172,16 +171,13 @@ def share_outcome(name: str, exc: BaseException | None, timeout: float | None = 
     exchange_outcome(f"outcome:{name}", None, exc, lambda _: None, timeout, what or name)
 
 
-_nesting = threading.local()  # how many `together` blocks this thread is inside
-
-
 class together:
     """Run a block on every rank; if it raises on any rank, raise :class:`RankFailure` on all of them.
 
     One small collective when nothing fails. The failing rank chains its original exception. Use it
     around any block whose failure on one rank would otherwise leave the others waiting forever in the
-    next collective. Blocks may nest: an inner block's exchange is named by its depth too, so that a rank that
-    left the outer block with its failure never meets the others in an inner one of the same name.
+    next collective. Blocks that nest need names of their own: a rank that left the outer block with its failure
+    would meet the others in an inner block of the same name as if it were the outer one.
 
     The same exchange can carry a value: each rank's :attr:`value` (given here or set inside the block) goes in, and
     after the block :attr:`result` is ``reduce(values in rank order)``, the same on every rank (``None`` without
@@ -201,18 +197,14 @@ class together:
         self.result: Any = None
 
     def __enter__(self) -> together:
-        self._depth = getattr(_nesting, "depth", 0)
-        _nesting.depth = self._depth + 1
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        _nesting.depth = self._depth
-        name = f"{self.name} (inside {self._depth})" if self._depth else self.name
         if self.reduce is None:
-            share_outcome(name, exc, self.timeout, self.what or self.name)
+            share_outcome(self.name, exc, self.timeout, self.what)
         else:
             self.result = exchange_outcome(
-                f"outcome:{name}", self.value, exc, self.reduce, self.timeout, self.what or self.name
+                f"outcome:{self.name}", self.value, exc, self.reduce, self.timeout, self.what or self.name
             )
         return False
 

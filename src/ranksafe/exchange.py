@@ -278,7 +278,7 @@ def _collect(s: Session, keys: _Keys, reduce: Callable[[list], Any], timeout: fl
     while (state := _wait_for(s, keys.posts, deadline, keys.outcome)) is Wait.GRACE_OVER:
         gone = _gone(s, keys)
         if gone:
-            return Failed(tuple(gone), out_of_step=True)
+            return _given_up(s, gone)
     if state is Wait.DECIDED:
         return None
     if state is Wait.TIMED_OUT:
@@ -294,12 +294,10 @@ def _reduce(s: Session, keys: _Keys, reduce: Callable[[list], Any]) -> Outcome:
         # A rank that failed and left a shared block (or failed alone, caught its error and went on) posts its next
         # collective where the others still wait in theirs: its failure (posted since the exchange before this one)
         # is the cause, the mismatch only its symptom. Every rank leaves the collective it is in with it, and is in
-        # step again (Failed.out_of_step): the aborts are withdrawn, as every rank posted here.
+        # step again (Failed.out_of_step). Its abort stands: should it die now, a later exchange gives up on it after
+        # the grace, not the timeout.
         fresh = tuple(a.failure for a in _aborts(s) if a.at >= s.seq - 1)
-        if not fresh:
-            return Diverged(names)
-        _clear_stale_aborts(s)
-        return Failed(fresh, out_of_step=True)
+        return Failed(fresh, out_of_step=True) if fresh else Diverged(names)
     _clear_stale_aborts(s)
     if unposted := tuple(v.failure for _, v in posted if isinstance(v, _Unposted)):
         return Failed(unposted)
@@ -325,7 +323,7 @@ def _follow(s: Session, keys: _Keys, timeout: float) -> Outcome:
             return _decide(s, keys, TimedOut(tuple(_missing(s, keys) or [0])))
         gone = _gone(s, keys)
         if gone:
-            return _decide(s, keys, Failed(tuple(gone), out_of_step=True))
+            return _decide(s, keys, _given_up(s, gone))
 
 
 def _wait_for(s: Session, keys: list[str], deadline: float, decided: str | None = None) -> Wait:
@@ -363,6 +361,14 @@ def _missing(s: Session, keys: _Keys) -> list[int]:
 def _aborts(s: Session) -> list[Abort]:
     """The aborts standing now, in rank order."""
     return [a for r in range(s.world) if (a := s.standing_abort(r)) is not None]
+
+
+def _given_up(s: Session, gone: list[Failure]) -> Failed:
+    """The outcome when the grace ends with ``gone`` ranks missing: their failures and those of the ranks that failed
+    since the exchange before and posted here (news too), in rank order; out of step (see :class:`Failed`)."""
+    failures = {a.failure.rank: a.failure for a in _aborts(s) if a.at >= s.seq - 1}
+    failures.update({f.rank: f for f in gone})
+    return Failed(tuple(failures[r] for r in sorted(failures)), out_of_step=True)
 
 
 def _gone(s: Session, keys: _Keys) -> list[Failure]:
