@@ -58,8 +58,10 @@ def exchange_outcome(
     The failing rank chains its own exception as the cause. It raises ``exc`` itself, unchanged, in a single
     process, when ``exc`` is no ``Exception`` (Ctrl-C, ``sys.exit``: stock ``except Exception`` clauses must not
     catch them), and when ``exc`` is a :class:`RankFailure` that every failed rank posted alike (a collective that
-    failed inside this one already raised it on every rank, with its type). The values are not reduced when a rank
-    failed. ``name`` and ``what`` as in :func:`exchange`.
+    failed inside this one already raised it on every rank, with its type), or one marked ``out_of_step`` (every rank
+    left the block with it: no exchange is made). A failing rank posts its failure as an abort first, so that a rank
+    still inside the block, in a collective of its own, gets it too. The values are not reduced when a rank failed.
+    ``name`` and ``what`` as in :func:`exchange`.
     """
     if isinstance(exc, RankFailure) and exc.out_of_step:
         raise exc  # every rank left the block with it already: an exchange now would meet none of them
