@@ -84,7 +84,7 @@ def test_the_trainer_has_the_training_epoch_loop_ranksafe_wraps():
 
 def test_lightnings_slurm_handler_still_requeues_with_the_command_ranksafe_runs_in_its_place():
     """RankSafe(preemption=True) replaces Lightning's SLURM requeue handler and runs its command: if the handler's
-    command changes, ranksafe/lightning/preemption.py must follow it."""
+    command changes, ranksafe/preemption.py must follow it."""
     source = inspect.getsource(_SignalConnector._slurm_sigusr_handler_fn)
     where = f"Lightning {lightning.__version__}: _SignalConnector._slurm_sigusr_handler_fn"
     assert '["scontrol", "requeue", job_id]' in source, f"{where} no longer runs scontrol requeue <job id>"

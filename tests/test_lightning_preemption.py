@@ -29,7 +29,7 @@ from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
 import ranksafe
 from ranksafe.lightning import RankSafe, compat
-from ranksafe.lightning.preemption import requeue
+from ranksafe.preemption import requeue_slurm_job
 from tests.lightning_scripts.resumable import ResumableLoader
 from tests.ranks import LAUNCH_VARS, free_port
 
@@ -224,10 +224,10 @@ def test_a_requeue_signal_ranksafe_does_not_handle_is_refused_and_a_failed_reque
         trainer.fit(StepModel(), _loader())
     (tmp_path / "bin" / "scontrol").write_text("#!/bin/sh\nexit 3\n")
     with pytest.warns(UserWarning, match=f"scontrol requeue {JOB_ID} exited with status 3; resubmit the job"):
-        requeue()
+        requeue_slurm_job()
     monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
     with pytest.warns(UserWarning, match="cannot requeue the SLURM job: FileNotFoundError"):
-        requeue()
+        requeue_slurm_job()
 
 
 def test_schedule_arguments_are_checked_and_need_a_checkpoint_dir(tmp_path):

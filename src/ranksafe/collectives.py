@@ -265,7 +265,7 @@ def abort_on_error() -> Iterator[None]:
 
     Any exception escaping the block is posted with :func:`abort` and re-raised: the other ranks raise
     :class:`RankFailure` at their next (or current) ranksafe collective instead of waiting for a rank that
-    is gone. The integrations wrap ``fit`` in it.
+    is gone. The integrations do the same for a ``fit``: fastai's ``fit``, Lightning's ``on_exception``.
     """
     try:
         yield

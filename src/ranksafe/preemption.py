@@ -10,12 +10,19 @@ decision to stop is taken at the next step boundary, agreed by every rank
 
 from __future__ import annotations
 
+import logging
+import os
+import re
 import signal
+import subprocess
 import threading
+import warnings
 import weakref
 from collections.abc import Iterable
 from types import FrameType
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 """What :class:`Signals` listens for unless told otherwise."""
@@ -125,3 +132,28 @@ class _Handler:
                 return
         if callable(previous):
             previous(signum, frame)
+
+
+def slurm_job_id() -> str:
+    """The id ``scontrol requeue`` takes, as Lightning's requeue handler reads it: ``<array job>_<task>`` in a job
+    array. Raises ``KeyError`` naming the missing variable, ``ValueError`` for an id that is no SLURM job id."""
+    array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
+    job_id = f"{array_job}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array_job else os.environ["SLURM_JOB_ID"]
+    if not re.fullmatch(r"[0-9_-]+", job_id):
+        raise ValueError(f"not a SLURM job id: {job_id!r}")
+    return job_id
+
+
+def requeue_slurm_job() -> None:
+    """Run ``scontrol requeue <job id>``: on rank 0 only, once the preemption step is committed. Never raises (rank 0
+    alone runs it, and the other ranks must not be left in a collective): a requeue that fails is a warning, as in
+    Lightning; the step is committed, and resubmitting the job resumes from it."""
+    try:
+        job_id = slurm_job_id()
+        log.info(f"requeueing SLURM job {job_id}")
+        code = subprocess.call(["scontrol", "requeue", job_id])
+        failure = None if code == 0 else f"scontrol requeue {job_id} exited with status {code}"
+    except (KeyError, ValueError, OSError) as e:
+        failure = f"cannot requeue the SLURM job: {type(e).__name__}: {e}"
+    if failure is not None:
+        warnings.warn(f"{failure}; resubmit the job to resume from its last step", stacklevel=2)

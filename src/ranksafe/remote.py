@@ -21,6 +21,7 @@ import os
 import pathlib
 import re
 import secrets
+import shutil
 import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -94,6 +95,18 @@ def exists(path: str | os.PathLike, storage_options: dict[str, Any] | None = Non
     if is_url(path):
         return Remote.of(path, storage_options).exists()
     return os.path.exists(path)
+
+
+def remove(path: str | os.PathLike) -> None:
+    """Remove the file, link or directory at ``path``, or every object below a URL (:meth:`Remote.remove`); nothing
+    there is no error."""
+    if is_url(path):
+        Remote.of(path).remove()
+    elif os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
 
 
 def file_url(path: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> str:

@@ -41,6 +41,12 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def with_other_ranks() -> bool:
+    """True when a process group of two or more ranks exists to share outcomes with (never in a ``ddp_spawn``
+    parent, nor before the launcher's group is initialised)."""
+    return is_distributed() and dist.get_world_size() > 1
+
+
 def rank() -> int:
     """Global rank of this process: 0 .. world_size()-1."""
     if is_distributed():

@@ -26,10 +26,6 @@ from .. import topology
 from . import compat
 
 
-def _multi_rank() -> bool:
-    return topology.is_distributed() and dist.get_world_size() >= 2
-
-
 def follow_process_group() -> bool:
     """Export ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` from the initialised process group.
 
@@ -37,7 +33,7 @@ def follow_process_group() -> bool:
     launcher variable that contradicts the process group is overwritten, with a warning: a script that set it by
     hand would otherwise shard data or pick writers wrongly.
     """
-    if not _multi_rank():
+    if not topology.with_other_ranks():
         return False
     written = False
     for name, value in (("RANK", dist.get_rank()), ("WORLD_SIZE", dist.get_world_size())):
@@ -57,7 +53,7 @@ def prepare_distributed() -> bool:
     ``distrib_ctx()`` creates wraps the model in ``DistributedDataParallel`` (multi-CPU mode). Idempotent; returns
     what :func:`follow_process_group` returns."""
     written = follow_process_group()
-    if _multi_rank() and dist.get_backend() == "gloo" and not torch.cuda.is_available():
+    if topology.with_other_ranks() and dist.get_backend() == "gloo" and not torch.cuda.is_available():
         os.environ.setdefault("ACCELERATE_USE_CPU", "1")
     return written
 

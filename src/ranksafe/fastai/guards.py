@@ -15,8 +15,8 @@ over what the run that saved it did (:func:`quiet_trackers`).
 
 from __future__ import annotations
 
+import contextlib
 import secrets
-import shutil
 import tempfile
 from collections.abc import Callable, Iterable
 from functools import partial
@@ -69,11 +69,8 @@ def _lr_finder_after_fit(cb: LRFinder) -> None:
 
 def _remove_temporary_model(learn: Learner, name: str) -> None:
     """Rank 0 removes the directory of lr_find's temporary model, ``name`` under the Learner's models. Local."""
-    tmp = remote.joinpath(learn.path, learn.model_dir, name)
-    if topology.is_main() and remote.is_url(tmp):
-        remote.Remote.of(tmp).remove()
-    elif topology.is_main():
-        shutil.rmtree(tmp, ignore_errors=True)
+    if topology.is_main():
+        remote.remove(remote.joinpath(learn.path, learn.model_dir, name))
 
 
 def discard_temporaries(learn: Learner, guarded: list[tuple[Callback, str]]) -> None:
@@ -82,7 +79,8 @@ def discard_temporaries(learn: Learner, guarded: list[tuple[Callback, str]]) -> 
     collected. Local: after a failure the ranks do not meet."""
     for cb, name in guarded:
         if name == "before_fit" and isinstance(cb, LRFinder) and getattr(cb, "tmp_p", None):
-            _remove_temporary_model(learn, cb.tmp_p)
+            with contextlib.suppress(OSError):  # the fit's own error is the one to raise
+                _remove_temporary_model(learn, cb.tmp_p)
 
 
 def _csv_before_fit(cb: CSVLogger) -> None:

@@ -7,8 +7,8 @@ monitored metrics, so that a failure is one error everywhere within seconds inst
 it, and turns a preemption signal into one committed step of every rank.
 """
 
+from ..monitor import MonitorAgreement, MonitorOp, UnsyncedMetricWarning
 from .callback import RankSafe
 from .io import RankSafeCheckpointIO
-from .monitor import MonitorAgreement, MonitorOp, UnsyncedMetricWarning
 
 __all__ = ["MonitorAgreement", "MonitorOp", "RankSafe", "RankSafeCheckpointIO", "UnsyncedMetricWarning"]

@@ -25,16 +25,22 @@ from ..collectives import abort, checked_timeout
 from ..errors import naming_target
 from ..files import clean_orphans
 from ..lock import StateDictLock
+from ..monitor import MonitorAgreement, MonitorOp
 from ..options import needs_checkpoint_dir, positive_int
 from ..saver_failures import poll_savers
 from ..storage import Storage
 from . import compat
 from .io import RankSafeCheckpointIO
-from .monitor import MonitorAgreement, MonitorOp
-from .preemption import UNAGREED_REQUEUE, SlurmRequeue
-from .shared_io import SharedCheckpointIO, checkpoint_dirs, shared_outcome, with_other_ranks
+from .shared_io import SharedCheckpointIO, checkpoint_dirs, shared_outcome
 from .steps import TrainerSteps
 from .wrapped import unwrap, wrap
+
+UNAGREED_REQUEUE = (
+    "SLURMEnvironment(auto_requeue=True): Lightning's requeue handler saves a checkpoint from inside the signal "
+    "handler, where the ranks cannot meet; a signal that reaches them at different points fails or hangs the job. "
+    "RankSafe(checkpoint_dir=..., preemption=True) saves at a step every rank agrees on, then requeues"
+)
+"""The warning of a multi-rank fit that leaves SLURM's requeue signal to Lightning's handler."""
 
 
 def _seconds(interval: timedelta | float | None) -> float | None:
@@ -113,7 +119,7 @@ class RankSafe(SharedCheckpointIO, Callback):
             that ``fit`` returns and the process ends normally, without validating the epoch the stop cut short (the
             resumed run validates it). Under SLURM's requeue signal
             (``SLURMEnvironment(auto_requeue=True)``, Lightning's default there), rank 0 then runs
-            ``scontrol requeue <job id>`` once the step is committed (:mod:`.preemption`).
+            ``scontrol requeue <job id>`` once the step is committed (:func:`ranksafe.preemption.requeue_slurm_job`).
 
     Every save decision is the checkpoint manager's (:meth:`~ranksafe.CheckpointManager.should_save`), asked on
     every rank once per optimizer step.
@@ -201,8 +207,8 @@ class RankSafe(SharedCheckpointIO, Callback):
         self._io = _async_io(trainer)
         if self._io is not None:
             self._io._attach()
-        self._wrap_strategy(trainer, with_other_ranks())
-        self._wrap_callbacks(trainer, with_other_ranks())
+        self._wrap_strategy(trainer, topology.with_other_ranks())
+        self._wrap_callbacks(trainer, topology.with_other_ranks())
         if trainer.state.fn == TrainerFn.FITTING:
             self._take_over_signals(trainer)
 
@@ -211,7 +217,7 @@ class RankSafe(SharedCheckpointIO, Callback):
         and once the stop is committed nothing validates the epoch it cut short, nor acts on a validation
         (:meth:`_scheduled_validation`, :meth:`_unless_stopped`). Without, a warning when Lightning's SLURM requeue
         handler would save with other ranks."""
-        if self.steps is not None and self.steps.handles_signals:
+        if self.steps is not None and self.manager.schedule.signals is not None:
             self.steps.prepare_preemption(trainer)
             wrap(compat.signal_connector(trainer), "register_signal_handlers", self._install_signals)
             validation_due = functools.partial(self._scheduled_validation, trainer)
@@ -224,7 +230,7 @@ class RankSafe(SharedCheckpointIO, Callback):
                     hooks.append("on_train_end")  # saves the last file
                 for hook in hooks:
                     wrap(cb, hook, self._unless_stopped)
-        elif SlurmRequeue.of(trainer) is not None and with_other_ranks() and topology.is_main():
+        elif compat.slurm_requeue_signal(trainer) is not None and topology.with_other_ranks() and topology.is_main():
             warnings.warn(UNAGREED_REQUEUE, stacklevel=3)
 
     def _wrap_strategy(self, trainer: pl.Trainer, shared: bool) -> None:
@@ -243,8 +249,8 @@ class RankSafe(SharedCheckpointIO, Callback):
         monitors = _monitors(trainer)
         self._after_monitors = self.steps is not None and bool(monitors)
         if self._after_monitors:
-            wrap(monitors[-1], "on_train_batch_end", self._then_end_step)
-            wrap(monitors[-1], "on_train_epoch_end", self._then_end_epoch)
+            wrap(monitors[-1], "on_train_batch_end", functools.partial(self._then, self._end_step))
+            wrap(monitors[-1], "on_train_epoch_end", functools.partial(self._then, self._end_epoch))
         for cb in monitors:
             monitor = getattr(cb, "monitor", None)  # a stand-in (a Mock with a spec) may have none
             if isinstance(cb, ModelCheckpoint):
@@ -267,15 +273,15 @@ class RankSafe(SharedCheckpointIO, Callback):
                         probe_write(dirpath)
                     if not remote.is_url(dirpath):  # temporaries of writers that crashed go before new ones appear
                         clean_orphans(dirpath)
-        if self.steps is not None:
-            self.steps.start_fit()
+        if self.manager is not None:
+            self.manager.warmup()
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The first step boundary is the end of the first optimizer step, and ``train_time_interval`` counts from
         now (not from this callback's construction, before the processes, the data and the model were set up)."""
         self._polled_step = trainer.global_step
-        if self.steps is not None:
-            self.steps.start_training()
+        if self.manager is not None:
+            self.manager.schedule.saved()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         """The end of an optimizer step (:meth:`_end_step`): here when no monitoring callback runs after this one,
@@ -295,16 +301,16 @@ class RankSafe(SharedCheckpointIO, Callback):
             if self._io is not trainer.strategy.checkpoint_io:  # inside a wrapper, which does not pass teardown on
                 self._io.teardown()
             self._io.check()
-        if self.steps is not None:
-            self.steps.end_fit()
+        if self.manager is not None and self.manager.async_save:  # the last commit's failure raised everywhere
+            self.manager.close()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """A rank failing alone stops the others at their current or next ranksafe collective, within seconds.
         Lightning skips ``teardown`` after an exception: the wrappers go here."""
         abort(exception)
         self._failed = True
-        if self.steps is not None:
-            self.steps.abandon()
+        if self.manager is not None:
+            self.manager.shutdown()  # a step committing in the background is not lost, and no thread stays
         last = trainer.callbacks[-1]
         if last is self:
             self._undo(trainer)
@@ -329,8 +335,8 @@ class RankSafe(SharedCheckpointIO, Callback):
         connectors = (compat.checkpoint_connector(trainer), compat.signal_connector(trainer))
         for obj in (trainer.strategy, *connectors, compat.epoch_loop(trainer), *trainer.callbacks):
             unwrap(obj)
-        if self.steps is not None:
-            self.steps.teardown()
+        if self.manager is not None:
+            self.manager.schedule.uninstall()
 
     def _end_step(self, trainer: pl.Trainer) -> None:
         """Once per optimizer step on every rank, not per micro-batch (only after an optimizer step are the ranks'
@@ -341,8 +347,8 @@ class RankSafe(SharedCheckpointIO, Callback):
             return
         self._polled_step = step
         savers = [self._io.saver] if self._io is not None else []
-        if self.steps is not None and self.steps.saver is not None:
-            savers.append(self.steps.saver)
+        if self.manager is not None and self.manager.saver is not None:
+            savers.append(self.manager.saver)
         if savers:
             poll_savers(savers)
         if self.steps is not None:
@@ -354,17 +360,13 @@ class RankSafe(SharedCheckpointIO, Callback):
             self.steps.end_epoch(trainer)
 
     # -- what the hooks of the last monitoring callback run, and the fit with preemption --------------------
-    def _then_end_step(self, original: Callable[..., Any], trainer: pl.Trainer, *args: Any) -> None:
-        """The last monitoring callback's ``on_train_batch_end`` (none after a preemption stop, as
-        :meth:`_unless_stopped` says), then the end of this optimizer step."""
+    def _then(
+        self, end: Callable[[pl.Trainer], None], original: Callable[..., Any], trainer: pl.Trainer, *args: Any
+    ) -> None:
+        """The last monitoring callback's batch or epoch end (none after a preemption stop, as :meth:`_unless_stopped`
+        says), then ``end``: this optimizer step's end, or this epoch's manager step."""
         self._unless_stopped(original, trainer, *args)
-        self._end_step(trainer)
-
-    def _then_end_epoch(self, original: Callable[..., Any], trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """The last monitoring callback's ``on_train_epoch_end`` (none after a preemption stop, as
-        :meth:`_unless_stopped` says), then this epoch's manager step."""
-        self._unless_stopped(original, trainer, pl_module)
-        self._end_epoch(trainer)
+        end(trainer)
 
     def _unless_stopped(self, original: Callable[..., Any], trainer: pl.Trainer, *args: Any) -> None:
         """A monitoring callback's hook (a batch's, an epoch's or a validation's end, the end of training), skipped once
@@ -396,4 +398,4 @@ class RankSafe(SharedCheckpointIO, Callback):
         """The signal connector's ``register_signal_handlers``, for a fit with preemption: the manager's handlers
         instead of Lightning's (which ``original`` would install). A method of RankSafe, not of its steps: what is
         installed on Lightning's objects must pickle, and RankSafe pickles without them."""
-        self.steps.install_signals()  # type: ignore[union-attr]
+        self.manager.schedule.install()  # type: ignore[union-attr]

@@ -5,9 +5,11 @@
 
 from __future__ import annotations
 
+import signal
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.fabric.plugins.environments import SLURMEnvironment
 
 LINK_CHECKPOINT = "_link_checkpoint"
 """``ModelCheckpoint._link_checkpoint(trainer, filepath, linkpath)``, a staticmethod: ``save_last="link"`` makes
@@ -75,3 +77,12 @@ def signal_connector(trainer: pl.Trainer) -> Any:
 def cluster_environment(trainer: pl.Trainer) -> Any:
     """The cluster environment Lightning's signal handling reads (see :data:`ACCELERATOR_CONNECTOR`)."""
     return getattr(trainer, ACCELERATOR_CONNECTOR).cluster_environment
+
+
+def slurm_requeue_signal(trainer: pl.Trainer) -> signal.Signals | None:
+    """The signal after which ``SLURMEnvironment(auto_requeue=True)`` asks for a requeue of the job, or None when
+    the Trainer's cluster environment asks for none."""
+    environment = cluster_environment(trainer)
+    if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
+        return signal.Signals(environment.requeue_signal)
+    return None

@@ -15,7 +15,6 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning.fabric.plugins import CheckpointIO
-from lightning.fabric.utilities.cloud_io import get_filesystem
 
 from .. import remote, topology
 from ..async_save import AsyncSaver
@@ -137,9 +136,8 @@ class RankSafeCheckpointIO(CheckpointIO):
             atomic_link(filepath, linkpath)
 
     def _remove(self, path: PathLike) -> None:
-        fs = get_filesystem(path)
-        if fs.exists(path):
-            fs.rm(path, recursive=True)
+        """The removal itself, on the calling thread or the background one."""
+        remote.remove(path)
 
     def wait(self) -> None:
         """Block until the background write in flight (if any) has committed or failed. Local."""

@@ -23,9 +23,9 @@ from ..checkpoint import CheckpointManager
 from ..collectives import agree, broadcast, default_timeout, together
 from ..files import atomic_link
 from ..lock import StateDictLock
+from ..monitor import MonitorAgreement
 from ..saving import prepare_dir
 from .io import RankSafeCheckpointIO
-from .monitor import MonitorAgreement
 from .steps import TrainerSteps
 
 EXCEPTION_SAVE_WAIT = 30.0
@@ -34,14 +34,9 @@ EXCEPTION_SAVE_WAIT = 30.0
 failed alone would otherwise wait for ranks held in a DDP collective that only its own exit ends."""
 
 
-def with_other_ranks() -> bool:
-    """True when other ranks exist to share outcomes with (never in a ``ddp_spawn`` parent, for instance)."""
-    return topology.is_distributed() and topology.world_size() > 1
-
-
 def shared_outcome(name: str, timeout: float | None) -> contextlib.AbstractContextManager:
     """A block whose failure on one rank is raised on every rank; a plain block without other ranks."""
-    return together(name, timeout) if with_other_ranks() else contextlib.nullcontext()
+    return together(name, timeout) if topology.with_other_ranks() else contextlib.nullcontext()
 
 
 def checkpoint_dirs(trainer: pl.Trainer) -> dict[str, bool]:
@@ -83,18 +78,22 @@ class SharedCheckpointIO:
 
     def _agreed_candidates(self, monitor: str, read: Callable[..., Any], trainer: pl.Trainer) -> dict[str, Any]:
         """ModelCheckpoint's read of the metrics, with the monitored one agreed by every rank."""
-        return self.monitors.candidates(monitor, read, trainer, self._wait())
+        candidates = read(trainer)
+        value = self.monitors.agree(monitor, candidates.get(monitor), self._wait())
+        if value is not None:
+            candidates[monitor] = value
+        return candidates
 
     def _agreed_criteria(self, monitor: str, evaluate: Callable[..., Any], current: Any) -> Any:
         """EarlyStopping's stopping criteria, of the monitored value agreed by every rank."""
-        return self.monitors.criteria(monitor, evaluate, current, self._wait())
+        return evaluate(self.monitors.agree(monitor, current, self._wait()))
 
     def _load(
         self, trainer: pl.Trainer, original: Callable[..., Any], checkpoint_path: Any, weights_only: bool | None = None
     ) -> Any:
         """The strategy's load: a step of the manager is verified against its manifest on every node, a file is
         loaded with the outcome shared; a background write in flight is waited for on every rank first."""
-        if with_other_ranks() and self._io is not None:
+        if topology.with_other_ranks() and self._io is not None:
             self._io.wait()
             self._io.check()
         step = None if self.manager is None or checkpoint_path is None else self.manager.step_of(checkpoint_path)
@@ -108,7 +107,7 @@ class SharedCheckpointIO:
     ) -> Any:
         """The connector's ``resume_start``: every rank takes rank 0's path; ``resume=True`` fills in the latest
         step when ``fit`` has none."""
-        if with_other_ranks():
+        if topology.with_other_ranks():
             chosen = broadcast(checkpoint_path, name="Trainer ckpt_path", timeout=self.timeout)
             if str(chosen) != str(checkpoint_path):
                 warnings.warn(
@@ -128,7 +127,7 @@ class SharedCheckpointIO:
         """``overwrite=True``: empty every ModelCheckpoint directory, unless the fit resumes or an earlier ``fit`` of
         this Trainer saved there: the restored, or kept, state names files there, as ``best_model_path`` does."""
         for dirpath, named in checkpoint_dirs(trainer).items():
-            if with_other_ranks():  # prepare_dir is collective: every rank keeps or empties alike
+            if topology.with_other_ranks():  # prepare_dir is collective: every rank keeps or empties alike
                 named = agree(named, "any", name=f"checkpoints named in {dirpath}", timeout=self.timeout)
             if not (resuming or named):
                 prepare_dir(dirpath, overwrite=True)
@@ -139,7 +138,7 @@ class SharedCheckpointIO:
     def _locks(self) -> list[StateDictLock]:
         """The locks whose snapshots run in the background: the plugin's and the manager's, with ``async_save``."""
         locks = [self._io.lock] if self._io is not None else []
-        return locks + ([self.lock] if self.steps is not None and self.steps.saver is not None else [])
+        return locks + ([self.lock] if self.manager is not None and self.manager.saver is not None else [])
 
     def _holding_locks(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """The optimizer step, holding the write side of the snapshot locks: no snapshot sees weights mid-update."""

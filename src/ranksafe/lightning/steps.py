@@ -10,19 +10,19 @@ request (and SLURM's requeue) after the preemption step, and a step loaded back 
 from __future__ import annotations
 
 import os
+import signal
 from typing import Any
 
 import lightning.pytorch as pl
 
 from .. import remote
-from ..async_save import AsyncSaver
 from ..checkpoint import STATE, CheckpointManager
 from ..checkpoint_file import load_file
 from ..collectives import agree, together
 from ..lock import StateDictLock
+from ..preemption import requeue_slurm_job
 from ..sharded import for_dcp
 from . import compat
-from .preemption import SlurmRequeue, requeue
 
 
 class TrainerSteps:
@@ -37,24 +37,9 @@ class TrainerSteps:
         # the manager installs its signal handlers at once; RankSafe's are in place only while a fit runs
         self.manager.schedule.uninstall()
         self.every_n_epochs = every_n_epochs
-        self._requeue: SlurmRequeue | None = None  # what the run's SLURMEnvironment asks for after a preemption
-        self._stopping = False  # this fit's preemption step is saved: only stop requests from now on
+        self._requeue: signal.Signals | None = None  # the run's SLURMEnvironment requeues the job after this signal
+        self.stopped = False  # this fit's preemption step is saved: only stop requests from now on (same on every rank)
         self._saved_step: int | None = None  # the global step last saved: a step and an epoch rule may both fall on it
-
-    @property
-    def handles_signals(self) -> bool:
-        """Whether preemption is on: the manager's signal handlers replace Lightning's during ``fit``."""
-        return self.manager.schedule.signals is not None
-
-    @property
-    def stopped(self) -> bool:
-        """Whether this fit's preemption step is saved and the fit is stopping. Local, the same on every rank."""
-        return self._stopping
-
-    @property
-    def saver(self) -> AsyncSaver | None:
-        """The manager's background saver (``async_save``), polled with the plugin's at every step; else None."""
-        return self.manager.saver
 
     def latest_checkpoint(self) -> str | None:
         """The file of the newest step committed on every node (its directory for a step of sharded state), or
@@ -76,42 +61,21 @@ class TrainerSteps:
 
     def prepare_preemption(self, trainer: pl.Trainer) -> None:
         """At ``setup`` of a fit with preemption: this fit may stop once, and SLURM's requeue, if the run's environment
-        asks for one, follows the preemption step's commit. Installs nothing (:meth:`install_signals` does)."""
-        self._stopping = False
-        self._requeue = SlurmRequeue.of(trainer)
-        if self._requeue is not None:
-            self._requeue.check_handled(self.manager.schedule.signals.signals)  # type: ignore[union-attr]
-
-    def install_signals(self) -> None:
-        """In place of Lightning's ``register_signal_handlers`` during a fit with preemption: the manager's."""
-        self.manager.schedule.install()
-
-    def start_fit(self) -> None:
-        """At ``on_fit_start``, on every rank: fail now if the root cannot be written (collective)."""
-        self.manager.warmup()
-
-    def start_training(self) -> None:
-        """At ``on_train_start``: ``train_time_interval`` counts from now, not from when the callback was made."""
-        self.manager.schedule.saved()
-
-    def end_fit(self) -> None:
-        """At ``on_fit_end``, on every rank: with ``async_save``, wait for the last commit and raise its failure
-        everywhere (collective)."""
-        if self.manager.async_save:
-            self.manager.close()
-
-    def abandon(self) -> None:
-        """After an exception: a step being committed in the background is not lost, and no thread stays. Local."""
-        self.manager.shutdown()
-
-    def teardown(self) -> None:
-        """Put back the signal handlers of before the fit, which the manager's replaced. Local."""
-        self.manager.schedule.uninstall()
+        asks for one, follows the preemption step's commit. Installs nothing (the manager's schedule does, in place of
+        Lightning's ``register_signal_handlers``)."""
+        self.stopped = False
+        self._requeue = compat.slurm_requeue_signal(trainer)
+        handled = self.manager.schedule.signals.signals  # type: ignore[union-attr]
+        if self._requeue is not None and self._requeue not in handled:  # else nobody would handle it: the job ends
+            raise ValueError(
+                f"SLURMEnvironment requeues on {self._requeue.name}, but RankSafe(preemption=...) handles "
+                f"{', '.join(s.name for s in handled)}: add signal.{self._requeue.name} to preemption"
+            )
 
     def end_step(self, trainer: pl.Trainer) -> None:
         """At the end of an optimizer step, on every rank: save this step if the manager says so, and stop after a
         preemption."""
-        if self.manager.should_save(trainer.global_step) and not self._stopping:
+        if self.manager.should_save(trainer.global_step) and not self.stopped:
             self.save(trainer)
         if self.manager.preempted:
             self._stop(trainer)
@@ -145,20 +109,20 @@ class TrainerSteps:
     def _stop(self, trainer: pl.Trainer) -> None:
         """After the preemption step's save, on every rank: wait for its commit, requeue the SLURM job if asked,
         and stop. Asked again (a loop that ``min_epochs`` or ``min_steps`` keeps going), only the stop request."""
-        if not self._stopping:
-            self._stopping = True
+        if not self.stopped:
+            self.stopped = True
             if self.manager.async_save:
                 self.manager.wait()  # this writer's commit; check() hears of every writer's
                 self.manager.check()
             if self._requeue is not None and self._requeue_asked() and trainer.is_global_zero:
-                requeue()
+                requeue_slurm_job()
         trainer.should_stop = True
 
     def _requeue_asked(self) -> bool:
         """Whether any rank received the requeue signal (as in Lightning, a SIGTERM alone stops without requeue:
         ``scancel`` sends it); collective."""
         received = self.manager.schedule.signals.received  # type: ignore[union-attr]
-        asked = received is not None and received == self._requeue.signal  # type: ignore[union-attr]
+        asked = received is not None and received == self._requeue
         return bool(agree(asked, "any", name="SLURM requeue", timeout=self.manager.timeout))
 
     # -- loading ---------------------------------------------------------------------------------------------

@@ -1,24 +1,24 @@
 """One monitored value for every rank, so that checkpoint and stopping decisions agree.
 
-A metric logged without synchronisation (Lightning's ``self.log`` without ``sync_dist=True``) holds each rank's own
-value. A checkpoint callback then formats a different file name on each rank (only rank 0's file exists), keeps a
-different top-k, and early-stopping counters drift apart. :class:`MonitorAgreement` gathers the value from every
-rank when a monitoring callback reads it, warns once per metric when the values differ, and gives every rank the
-same value: by default their mean, which is what a synchronised log would have held.
+A metric logged without synchronisation (Lightning's ``self.log`` without ``sync_dist=True``, a metric each rank
+computes on its own shard of the data) holds each rank's own value. A checkpoint callback then formats a different
+file name on each rank (only rank 0's file exists), keeps a different top-k, and early-stopping counters drift apart.
+:class:`MonitorAgreement` gathers the value from every rank when a monitoring callback reads it, warns once per
+metric when the values differ, and gives every rank the same value: by default their mean, which is what a
+synchronised log would have held.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .. import topology
-from ..choice import Choice
-from ..collectives import all_gather
+from . import topology
+from .choice import Choice
+from .collectives import all_gather
 
 
 class MonitorOp(Choice):
@@ -94,22 +94,6 @@ class MonitorAgreement:
         if isinstance(value, torch.Tensor):
             return torch.tensor(agreed, dtype=value.dtype, device=value.device)
         return torch.tensor(agreed) if value is None else type(value)(agreed)
-
-    def candidates(
-        self, monitor: str, read: Callable[[Any], dict[str, Any]], trainer: Any, timeout: float | None = None
-    ) -> dict[str, Any]:
-        """The metrics ``read(trainer)`` returns, with the ``monitor`` entry agreed (for ModelCheckpoint's read)."""
-        candidates = read(trainer)
-        value = self.agree(monitor, candidates.get(monitor), timeout)
-        if value is not None:
-            candidates[monitor] = value
-        return candidates
-
-    def criteria(
-        self, monitor: str, evaluate: Callable[[torch.Tensor], Any], current: torch.Tensor, timeout: float | None = None
-    ) -> Any:
-        """``evaluate`` of the agreed ``current`` (for EarlyStopping's stopping criteria)."""
-        return evaluate(self.agree(monitor, current, timeout))
 
 
 def _show(values: list[float | None]) -> str:
