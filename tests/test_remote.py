@@ -88,6 +88,27 @@ def test_a_scheme_in_capitals_names_the_same_place(memory):
     assert ranksafe.remote.canonical("MEMORY://caps/model.pth") == "memory://caps/model.pth"
 
 
+def test_remove_takes_a_file_a_folder_a_link_or_every_object_below_a_url_and_nothing_is_no_error(memory, tmp_path):
+    from ranksafe import remote
+
+    kept, folder = tmp_path / "kept", tmp_path / "folder"
+    (kept / "sub").mkdir(parents=True)
+    (kept / "sub" / "a.ckpt").write_bytes(b"a")
+    (folder / "sub").mkdir(parents=True)
+    (folder / "sub" / "b.ckpt").write_bytes(b"b")
+    (tmp_path / "last.ckpt").symlink_to(kept, target_is_directory=True)
+    remote.remove(tmp_path / "last.ckpt")  # the link goes, not what it points at (rmtree refuses a link)
+    remote.remove(folder)
+    remote.remove(tmp_path / "missing.ckpt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"] and (kept / "sub" / "a.ckpt").exists()
+
+    for name in ("run/a.ckpt", "run/sub/b.ckpt", "other/c.ckpt"):
+        memory.pipe(f"/{name}", b"x")
+    remote.remove("memory://run")
+    remote.remove("memory://run/missing.ckpt")
+    assert memory.find("/") == ["/other/c.ckpt"]
+
+
 def test_a_url_without_a_file_system_is_refused_before_anything_is_written(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match=r"gs://bucket/m.pth \(rank 0\): no file system for gs://"):
