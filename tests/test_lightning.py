@@ -126,6 +126,12 @@ def test_io_uses_no_collectives_without_a_process_group(tmp_path, monkeypatch):
     assert not path.exists()
     with pytest.raises(TypeError, match="storage_options"):
         io.save_checkpoint({}, path, storage_options={"x": 1})
+    # a path the plugin saves to, it removes, however it is spelled
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for spelled in ("~/home.ckpt", f"file://{tmp_path}/url.ckpt"):
+        io.save_checkpoint({"weights": torch.arange(3)}, spelled)
+        io.remove_checkpoint(spelled)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sub"]
 
 
 class Opaque:

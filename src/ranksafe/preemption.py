@@ -5,7 +5,8 @@ A signal handler runs between two bytecodes of whatever the main thread was doin
 an optimizer step. Nothing that talks to the other ranks can run there (they are each interrupted somewhere
 else), so the handler only records the signal, and chains to the handler that was installed before it. The
 decision to stop is taken at the next step boundary, agreed by every rank
-(:meth:`ranksafe.CheckpointManager.reached_preemption`).
+(:meth:`ranksafe.CheckpointManager.reached_preemption`). Once that step is committed, a SLURM job that asked for it
+is requeued from rank 0 (:func:`requeue_slurm_job`).
 """
 
 from __future__ import annotations

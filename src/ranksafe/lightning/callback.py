@@ -249,8 +249,8 @@ class RankSafe(SharedCheckpointIO, Callback):
         monitors = _monitors(trainer)
         self._after_monitors = self.steps is not None and bool(monitors)
         if self._after_monitors:
-            wrap(monitors[-1], "on_train_batch_end", functools.partial(self._then, self._end_step))
-            wrap(monitors[-1], "on_train_epoch_end", functools.partial(self._then, self._end_epoch))
+            wrap(monitors[-1], "on_train_batch_end", functools.partial(self._hook_then, self._end_step))
+            wrap(monitors[-1], "on_train_epoch_end", functools.partial(self._hook_then, self._end_epoch))
         for cb in monitors:
             monitor = getattr(cb, "monitor", None)  # a stand-in (a Mock with a spec) may have none
             if isinstance(cb, ModelCheckpoint):
@@ -360,7 +360,7 @@ class RankSafe(SharedCheckpointIO, Callback):
             self.steps.end_epoch(trainer)
 
     # -- what the hooks of the last monitoring callback run, and the fit with preemption --------------------
-    def _then(
+    def _hook_then(
         self, end: Callable[[pl.Trainer], None], original: Callable[..., Any], trainer: pl.Trainer, *args: Any
     ) -> None:
         """The last monitoring callback's batch or epoch end (none after a preemption stop, as :meth:`_unless_stopped`

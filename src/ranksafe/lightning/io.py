@@ -137,7 +137,7 @@ class RankSafeCheckpointIO(CheckpointIO):
 
     def _remove(self, path: PathLike) -> None:
         """The removal itself, on the calling thread or the background one."""
-        remote.remove(path)
+        remote.remove(remote.canonical(path))  # "~" and "file://" as save_checkpoint takes them
 
     def wait(self) -> None:
         """Block until the background write in flight (if any) has committed or failed. Local."""
