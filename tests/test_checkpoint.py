@@ -309,6 +309,36 @@ def test_an_io_error_while_verifying_raises_instead_of_falling_back_over_a_sound
     assert mgr.loaded_step is None
 
 
+def _failure_elsewhere_while_verifying(rank, root):
+    mgr = CheckpointManager(root, keep=None, storage="shared")
+    for step in (1, 2):
+        mgr.save(step, {"w": torch.full((2,), float(step))})
+    if rank == 1:  # after listing the steps, this rank fails in a shared block of its own (a callback's, say)
+
+        def first_good(self, candidates, sharded):
+            with ranksafe.together("a callback elsewhere"):
+                raise FileNotFoundError(errno.ENOENT, "No such file (injected)", "/elsewhere/config.yaml")
+
+        CheckpointManager._first_good = first_good
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            mgr.load(fallback=True)
+            error = None
+        except FileNotFoundError as e:
+            error = (type(e).__name__, getattr(e, "ranks", None))
+    said = [str(w.message) for w in caught if "falling back" in str(w.message)]
+    return {"error": error, "fell back": said, "passed over": sorted(mgr._passed_over), "loaded": mgr.loaded_step}
+
+
+def test_another_ranks_failure_elsewhere_is_not_taken_for_damage_to_the_step_being_verified(tmp_path):
+    """Before: rank 1's missing file, raised in a block of its own while rank 0 verified step 2, reached rank 0 as
+    that step's verdict: rank 0 warned that step 2 was damaged, fell back to step 1, then raised anyway."""
+    values = run_ranks(_failure_elsewhere_while_verifying, 2, args=(str(tmp_path),), timeout=60).values
+    assert values[1]["error"] == ("RankFailure[FileNotFoundError]", [1]), values  # its own, chained
+    assert values[0] == {"error": values[1]["error"], "fell back": [], "passed over": [], "loaded": None}, values
+
+
 @pytest.mark.parametrize("step", [-1, 1.5, True, "3", "../x"])
 def test_steps_must_be_non_negative_ints(tmp_path, step):
     with pytest.raises(ValueError, match="step must be"):

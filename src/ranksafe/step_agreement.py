@@ -64,5 +64,7 @@ def verdict(
         kind = "sharded, into=" if split else "whole"
         share_outcome(f"checkpoint {step}: verify, {kind}", exc, timeout, what=f"verify step {step}")
     except (CorruptCheckpoint, FileNotFoundError) as e:  # RankFailure[...]; in a single process, the writer's own
+        if getattr(e, "out_of_step", False):  # a rank's failure in another block: it says nothing about the step
+            raise
         return e
     return None
