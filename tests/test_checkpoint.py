@@ -326,7 +326,7 @@ def _failure_elsewhere_while_verifying(rank, root):
             mgr.load(fallback=True)
             error = None
         except FileNotFoundError as e:
-            error = (type(e).__name__, getattr(e, "ranks", None))
+            error = (type(e).__name__, e.ranks, e.out_of_step, type(e.__cause__).__name__)
     said = [str(w.message) for w in caught if "falling back" in str(w.message)]
     return {"error": error, "fell back": said, "passed over": sorted(mgr._passed_over), "loaded": mgr.loaded_step}
 
@@ -335,8 +335,9 @@ def test_another_ranks_failure_elsewhere_is_not_taken_for_damage_to_the_step_bei
     """Before: rank 1's missing file, raised in a block of its own while rank 0 verified step 2, reached rank 0 as
     that step's verdict: rank 0 warned that step 2 was damaged, fell back to step 1, then raised anyway."""
     values = run_ranks(_failure_elsewhere_while_verifying, 2, args=(str(tmp_path),), timeout=60).values
-    assert values[1]["error"] == ("RankFailure[FileNotFoundError]", [1]), values  # its own, chained
-    assert values[0] == {"error": values[1]["error"], "fell back": [], "passed over": [], "loaded": None}, values
+    assert values[1]["error"] == ("RankFailure[FileNotFoundError]", [1], True, "FileNotFoundError"), values  # chained
+    expected = ("RankFailure[FileNotFoundError]", [1], True, "NoneType")
+    assert values[0] == {"error": expected, "fell back": [], "passed over": [], "loaded": None}, values
 
 
 @pytest.mark.parametrize("step", [-1, 1.5, True, "3", "../x"])

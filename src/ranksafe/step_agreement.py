@@ -48,7 +48,8 @@ def verdict(
     """The agreed verdict on step ``step`` at ``place``: None, or the damage every rank is to raise (or fall back on):
     a :class:`CorruptCheckpoint` or ``FileNotFoundError``. The writer checks every file against the manifest; with
     ``split`` (a sharded step) every rank checks its share of the files instead. Any other error (an I/O error,
-    remote storage refusing, a rank missing from the exchange) says nothing about the step: it raises. Collective."""
+    remote storage refusing, a rank missing from the exchange, a failure out of step) says nothing about the step: it
+    raises. Collective."""
     exc = None
     if split or writer:
         try:
