@@ -5,6 +5,8 @@ from __future__ import annotations
 import collections
 import gc
 import io
+import subprocess
+import sys
 import threading
 import time
 import weakref
@@ -99,6 +101,42 @@ def test_reentrancy_and_misuse_raise_instead_of_deadlocking():
     t.start()
     t.join(5)
     assert got == [True]
+
+
+_HANDLER_READS_WHILE_ITS_THREAD_WAITS_TO_WRITE = """
+import faulthandler, os, signal, threading
+from ranksafe.lock import StateDictLock
+faulthandler.dump_traceback_later(10, exit=True)  # a hang prints where, and fails the test
+lock, held, handled, events = StateDictLock(), threading.Event(), threading.Event(), []
+
+def snapshot_on_another_thread():  # holds the read side until the handler has run (5 s at most)
+    with lock.read():
+        held.set()
+        handled.wait(5)
+
+def on_usr1(signum, frame):  # a save from a signal handler, as Lightning's SLURM requeue handler makes one
+    with lock.read():
+        events.append("the handler's snapshot")
+    handled.set()
+
+signal.signal(signal.SIGUSR1, on_usr1)
+threading.Thread(target=snapshot_on_another_thread).start()
+held.wait(5)
+main = threading.main_thread().ident
+threading.Timer(0.3, signal.pthread_kill, (main, signal.SIGUSR1)).start()
+with lock.write():  # the optimizer step, waiting for the other thread's snapshot when the signal comes
+    events.append("the step")
+print("EVENTS", events)
+"""
+
+
+def test_a_signal_handler_reads_while_its_thread_waits_to_write_instead_of_hanging():
+    """Before: the handler's read queued behind the waiting write of its own thread, which could not go on until the
+    handler returned: the process hung (here faulthandler ends it after 10 s)."""
+    script = _HANDLER_READS_WHILE_ITS_THREAD_WAITS_TO_WRITE
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert "EVENTS [\"the handler's snapshot\", 'the step']" in out.stdout, out.stdout
 
 
 def test_a_held_write_side_times_readers_out():

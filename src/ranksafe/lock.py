@@ -16,7 +16,8 @@ class StateDictLock:
     *Writer-preferring*: once a writer waits, new readers queue behind it, so a step is delayed by at most
     the snapshot already running, never by a stream of them. Re-entrant for the thread that holds the write
     side (including taking the read side inside it: that thread is the only one that could change the
-    weights), and for nested reads. Upgrading a read to a write would deadlock, so it raises instead.
+    weights), for nested reads, and for a read on a thread that waits for the write side (a signal handler's save).
+    Upgrading a read to a write would deadlock, so it raises instead.
 
     Use the context managers ``write()`` / ``read()``, or the ``acquire_*`` / ``release_*`` pairs where the
     two ends live in different callbacks (``before_step`` / ``after_step``).
@@ -27,7 +28,7 @@ class StateDictLock:
         self._readers = 0
         self._writer: int | None = None  # ident of the thread holding the write side
         self._write_depth = 0
-        self._writers_waiting = 0
+        self._writers_waiting: list[int] = []  # idents of the threads waiting for the write side
         self._local = threading.local()  # this thread's read depth
 
     def _reads(self) -> int:
@@ -44,11 +45,11 @@ class StateDictLock:
                 raise RuntimeError(
                     "StateDictLock: this thread holds the read side; taking the write side would deadlock"
                 )
-            self._writers_waiting += 1
+            self._writers_waiting.append(me)
             try:
                 ok = self._cond.wait_for(lambda: self._writer is None and self._readers == 0, timeout)
             finally:
-                self._writers_waiting -= 1
+                self._writers_waiting.remove(me)
             if not ok:
                 self._cond.notify_all()  # readers queued behind this writer may go now
                 return False
@@ -67,10 +68,14 @@ class StateDictLock:
 
     def acquire_read(self, timeout: float | None = None) -> bool:
         """Take the read side; False if ``timeout`` seconds passed first."""
+        me = threading.get_ident()
         with self._cond:
-            reentrant = self._writer == threading.get_ident() or self._reads() > 0
+            # A thread waiting for the write side reads only from a signal handler that interrupted its wait (a save,
+            # as Lightning's SLURM requeue handler makes one): its own write has not begun, and queueing the read
+            # behind that write would wait forever.
+            reentrant = self._writer == me or self._reads() > 0 or me in self._writers_waiting
             if not reentrant:
-                free = lambda: self._writer is None and self._writers_waiting == 0  # noqa: E731
+                free = lambda: self._writer is None and not self._writers_waiting  # noqa: E731
                 if not self._cond.wait_for(free, timeout):
                     return False
             self._readers += 1
