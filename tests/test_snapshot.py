@@ -104,39 +104,57 @@ def test_reentrancy_and_misuse_raise_instead_of_deadlocking():
 
 
 _HANDLER_READS_WHILE_ITS_THREAD_WAITS_TO_WRITE = """
-import faulthandler, os, signal, threading
+import faulthandler, signal, sys, threading, time
 from ranksafe.lock import StateDictLock
 faulthandler.dump_traceback_later(10, exit=True)  # a hang prints where, and fails the test
+side = sys.argv[1]  # what another thread holds while the main thread waits to write: "read" or "write"
 lock, held, handled, events = StateDictLock(), threading.Event(), threading.Event(), []
+main = threading.main_thread().ident
 
-def snapshot_on_another_thread():  # holds the read side until the handler has run (5 s at most)
-    with lock.read():
+def other_thread():  # a snapshot (read) or an optimizer step (write) on another thread
+    with lock.read() if side == "read" else lock.write():
         held.set()
-        handled.wait(5)
+        handled.wait(5 if side == "read" else 1)  # a write ends on its own: the handler must wait for it
+        events.append(f"the other thread's {side} ends")
 
 def on_usr1(signum, frame):  # a save from a signal handler, as Lightning's SLURM requeue handler makes one
+    assert main in lock._writers_waiting, "the signal came before the main thread waited to write"
     with lock.read():
         events.append("the handler's snapshot")
     handled.set()
 
+def send_once_main_waits():
+    while main not in lock._writers_waiting:
+        time.sleep(0.01)
+    with lock._cond:  # taken: the main thread has let go of it, inside its wait
+        pass
+    signal.pthread_kill(main, signal.SIGUSR1)
+
 signal.signal(signal.SIGUSR1, on_usr1)
-threading.Thread(target=snapshot_on_another_thread).start()
+threading.Thread(target=other_thread).start()
 held.wait(5)
-main = threading.main_thread().ident
-threading.Timer(0.3, signal.pthread_kill, (main, signal.SIGUSR1)).start()
-with lock.write():  # the optimizer step, waiting for the other thread's snapshot when the signal comes
+threading.Thread(target=send_once_main_waits).start()
+with lock.write():  # the optimizer step, waiting for the other thread when the signal comes
     events.append("the step")
 print("EVENTS", events)
 """
 
 
-def test_a_signal_handler_reads_while_its_thread_waits_to_write_instead_of_hanging():
+@pytest.mark.parametrize(
+    "side, order",
+    [
+        ("read", ["the handler's snapshot", "the other thread's read ends", "the step"]),
+        ("write", ["the other thread's write ends", "the handler's snapshot", "the step"]),
+    ],
+)
+def test_a_signal_handler_reads_while_its_thread_waits_to_write_instead_of_hanging(side, order):
     """Before: the handler's read queued behind the waiting write of its own thread, which could not go on until the
-    handler returned: the process hung (here faulthandler ends it after 10 s)."""
+    handler returned: the process hung (here faulthandler ends it after 10 s). It still waits for a write that
+    another thread has begun."""
     script = _HANDLER_READS_WHILE_ITS_THREAD_WAITS_TO_WRITE
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", script, side], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
-    assert "EVENTS [\"the handler's snapshot\", 'the step']" in out.stdout, out.stdout
+    assert f"EVENTS {order}" in out.stdout, out.stdout
 
 
 def test_a_held_write_side_times_readers_out():

@@ -46,12 +46,14 @@ class StateDictLock:
                     "StateDictLock: this thread holds the read side; taking the write side would deadlock"
                 )
             self._writers_waiting.append(me)
+            ok = False
             try:
                 ok = self._cond.wait_for(lambda: self._writer is None and self._readers == 0, timeout)
             finally:
                 self._writers_waiting.remove(me)
+                if not ok:  # timed out, or a signal handler raised (Ctrl-C): readers queued behind it may go now
+                    self._cond.notify_all()
             if not ok:
-                self._cond.notify_all()  # readers queued behind this writer may go now
                 return False
             self._writer, self._write_depth = me, 1
             return True
@@ -70,12 +72,14 @@ class StateDictLock:
         """Take the read side; False if ``timeout`` seconds passed first."""
         me = threading.get_ident()
         with self._cond:
-            # A thread waiting for the write side reads only from a signal handler that interrupted its wait (a save,
-            # as Lightning's SLURM requeue handler makes one): its own write has not begun, and queueing the read
-            # behind that write would wait forever.
-            reentrant = self._writer == me or self._reads() > 0 or me in self._writers_waiting
+            reentrant = self._writer == me or self._reads() > 0
             if not reentrant:
                 free = lambda: self._writer is None and not self._writers_waiting  # noqa: E731
+                if me in self._writers_waiting:
+                    # A signal handler (a save, as Lightning's SLURM requeue handler makes one) that interrupted this
+                    # thread's wait for the write side: that write has not begun, and a read queued behind it would
+                    # wait forever. Only another thread's write in progress is waited for.
+                    free = lambda: self._writer is None  # noqa: E731
                 if not self._cond.wait_for(free, timeout):
                     return False
             self._readers += 1
