@@ -16,8 +16,8 @@ class StateDictLock:
     *Writer-preferring*: once a writer waits, new readers queue behind it, so a step is delayed by at most
     the snapshot already running, never by a stream of them. Re-entrant for the thread that holds the write
     side (including taking the read side inside it: that thread is the only one that could change the
-    weights), for nested reads, and for a read on a thread that waits for the write side (a signal handler's save).
-    Upgrading a read to a write would deadlock, so it raises instead.
+    weights), and for nested reads. A read on a thread that waits for the write side (a signal handler's save) does
+    not queue behind that write. Upgrading a read to a write would deadlock, so it raises instead.
 
     Use the context managers ``write()`` / ``read()``, or the ``acquire_*`` / ``release_*`` pairs where the
     two ends live in different callbacks (``before_step`` / ``after_step``).
