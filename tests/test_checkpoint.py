@@ -356,6 +356,39 @@ def test_file_names_and_prefixes_cannot_escape_the_step_directory(tmp_path, name
     assert os.listdir(tmp_path) == []  # rejected before anything was created
 
 
+def test_a_file_named_as_ranksafe_names_its_own_is_refused_and_nothing_is_committed(tmp_path):
+    """Before, each of these saves said it succeeded: an extra file named MANIFEST.json was replaced by the manifest,
+    one named state.pt replaced the state (which was never written), and one ending in .ranksafe-tmp was neither
+    listed in the manifest nor verified."""
+    mgr = CheckpointManager(tmp_path, keep=None)
+    mgr.save(1, _state(1))
+    for name in ("MANIFEST.json", "state.pt", "notes.ranksafe-tmp"):
+        with pytest.raises(ValueError, match=name.replace(".", r"\.")):
+            mgr.save(2, _state(2), extra_files={name: b"my own bytes"})
+    for name in ("MANIFEST.json", "notes.ranksafe-tmp"):  # a side file of the block
+        with pytest.raises(ValueError, match=name.replace(".", r"\.")), mgr.saving(2) as tx:
+            tx.save(b"my own bytes", name)
+        with pytest.raises(ValueError, match=name.replace(".", r"\.")), mgr.saving(2) as tx:
+            pathlib.Path(tx.file(name)).write_bytes(b"my own bytes")
+    assert [(s.step, s.status) for s in list_steps(tmp_path)] == [(1, "committed")]
+    assert torch.equal(mgr.load()["w"], _state(1)["w"])
+
+
+def _side_file_named_as_the_manifest_on_one_rank(rank, root):
+    mgr = CheckpointManager(root, storage="shared")
+    try:
+        with mgr.saving(1) as tx:
+            tx.save(b"this rank's own", "MANIFEST.json" if rank == 1 else f"rng-{rank}.pt")
+    except ValueError as e:
+        return type(e).__name__, e.ranks, mgr.latest()
+    return "saved", None, mgr.latest()
+
+
+def test_a_side_file_named_as_the_manifest_on_one_rank_fails_every_rank_and_commits_nothing(tmp_path):
+    values = run_ranks(_side_file_named_as_the_manifest_on_one_rank, 2, args=(str(tmp_path),), timeout=60).values
+    assert values == [("RankFailure[ValueError]", [1], None)] * 2, values
+
+
 def test_list_steps_reports_committed_incomplete_and_corrupt(tmp_path):
     mgr = CheckpointManager(tmp_path, keep=None)
     for step in (1, 2, 3):

@@ -109,6 +109,22 @@ def test_remove_takes_a_file_a_folder_a_link_or_every_object_below_a_url_and_not
     assert memory.find("/") == ["/other/c.ckpt"]
 
 
+def test_a_file_named_as_the_manifest_cannot_commit_a_remote_step_before_its_files_are_in(memory):
+    """On remote storage the manifest, written last, is the commit. Before: a side file of that name made the step
+    committed while its state was still missing; a process killed then left a step that latest() took and load()
+    could not read, and that no later save could replace."""
+    mgr = ranksafe.CheckpointManager("memory://run")
+    mgr.save(1, {"w": torch.zeros(2)})
+    seen = None
+    with pytest.raises(ValueError, match=r"MANIFEST\.json"), mgr.saving(2, {"state.pt": {"w": torch.ones(2)}}) as tx:
+        try:
+            tx.save(b"{}", "MANIFEST.json")
+        finally:
+            seen = [(s.step, s.status) for s in ranksafe.list_steps("memory://run")]  # what a crash here leaves
+    assert seen == [(1, "committed")], seen
+    assert mgr.latest() == 1 and [s.step for s in ranksafe.list_steps("memory://run")] == [1]
+
+
 def test_a_url_without_a_file_system_is_refused_before_anything_is_written(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match=r"gs://bucket/m.pth \(rank 0\): no file system for gs://"):

@@ -42,7 +42,7 @@ from .commit import (
     Place,
     StepWriter,
     build_manifest,
-    check_name,
+    check_file_name,
     join,
     name_of,
     read_manifest,
@@ -331,7 +331,7 @@ class CheckpointManager:
                 if sharded:
                     require_shared(where, self.root)  # the placement is agreed: every rank with DTensors raises alike
                 for name in writer_files:  # every rank: the names may differ where only the writers' count
-                    check_name(name, "file name")
+                    check_file_name(name)
                 refuse_sharded(writer_files, f"checkpoint {step}")  # every rank: the writers write theirs whole
                 floats = {k: float(v) for k, v in (metrics or {}).items()}  # a bad value on any rank fails every rank
                 if where.writer:
@@ -469,6 +469,8 @@ class CheckpointManager:
         whole = not sharded and shards is None  # else no state.pt: every rank writes its own part of the state
         files = {STATE: state, **(extra_files or {})} if whole else dict(extra_files or {})
         with self.saving(step, files, metrics, shards=shards) as tx:
+            if whole and STATE in (extra_files or {}):  # raised in the block: every rank hears of it after it
+                raise ValueError(f"checkpoint {step}: an extra file is named {STATE}, as the state is; rename it")
             if sharded:
                 tx.save(state, _shard(topology.rank()))
         return self.step_dir(step)

@@ -60,6 +60,21 @@ def check_name(name: str, what: str = "name") -> str:
     return name
 
 
+def check_file_name(name: str) -> str:
+    """Return ``name`` if a step may hold a file of that name (:func:`check_name`), else raise. The manifest's name and
+    the temporaries' suffix are ranksafe's: a file of the manifest's name would be replaced by the manifest, or on
+    remote storage commit the step before its files are in; one with the suffix would be neither listed nor verified."""
+    check_name(name, "file name")
+    if name == MANIFEST:
+        raise ValueError(f"file name {name!r} is the step's manifest, which ranksafe writes last; name it otherwise")
+    if name.endswith(TMP_SUFFIX):
+        raise ValueError(
+            f"file name {name!r} ends in {TMP_SUFFIX}, the mark of ranksafe's temporaries, which a step neither lists "
+            "nor verifies; name the file otherwise"
+        )
+    return name
+
+
 def join(place: Place, name: str) -> Place:
     """``name`` inside ``place`` ('/'-separated relative names)."""
     return place.child(name) if isinstance(place, Remote) else os.path.join(place, *name.split("/"))
@@ -202,12 +217,12 @@ class StepWriter:
 
     def file(self, name: str) -> str:
         """The path (or URL) of ``name`` inside the step directory being written."""
-        return name_of(join(self._tmp, check_name(name, "file name")))
+        return name_of(join(self._tmp, check_file_name(name)))
 
     def save(self, obj: Any, name: str) -> str:
         """Write ``obj`` as ``name``: bytes and str as they are, anything else with ``torch.save``. A failed write
         raises its ``OSError`` naming the file as it will be once committed, and the rank."""
-        place = join(self._tmp, check_name(name, "file name"))
+        place = join(self._tmp, check_file_name(name))
         raw = obj.encode() if isinstance(obj, str) else obj
         final = name_of(join(self._final, name))
         with naming_target(f"cannot save step {self.step}:", final), open_for_commit(place) as f:
