@@ -631,6 +631,36 @@ def test_a_commit_that_fails_on_one_node_leaves_every_node_keep_steps_to_fall_ba
     assert [v["w"] for v in values] == [1.0, 1.0]  # fell back over the damaged step 2 to step 1
 
 
+def _one_node_fails_a_background_commit_and_training_goes_on(rank, base):
+    import resource
+
+    root = as_node(rank, 1, base)  # two nodes of one rank each, each with its own disk
+    mgr = CheckpointManager(root, keep=1, storage="local", async_save=True)
+    mgr.save(10, _state(10))
+    mgr.wait()
+    if rank == 1:  # node 1's disk fills up (EFBIG, even for root): its background commit of step 20 fails
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+    mgr.save(20, {"w": torch.zeros(1 << 16)})
+    mgr.wait()
+    resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    try:
+        mgr.check()
+        failed = None
+    except ranksafe.RankFailure as e:  # the caller goes on training
+        failed = type(e).__name__
+    mgr.save(21, _state(21))
+    mgr.close()
+    return {"failed": failed, "held": sorted(os.listdir(root))}
+
+
+def test_a_background_commit_that_fails_on_one_node_is_passed_over_on_the_node_that_made_it(tmp_path):
+    """Before: node 0 counted its copy of step 20, which node 1 lacks, for keep=1, and deleted step 10 at the next
+    save: the nodes no longer had one step in common but the newest. A synchronous save passed step 20 over."""
+    values = run_ranks(_one_node_fails_a_background_commit_and_training_goes_on, 2, args=(str(tmp_path),)).values
+    for v in values:
+        assert v == {"failed": "RankFailure[OSError]", "held": ["step_00000010", "step_00000021"]}, values
+
+
 _FULL_DISK_CHILD = textwrap.dedent(
     """
     import errno, resource, sys, torch, ranksafe

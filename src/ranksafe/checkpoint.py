@@ -49,7 +49,7 @@ from .commit import (
     step_commit,
     verify_step,
 )
-from .errors import naming_target
+from .errors import RankFailure, naming_target
 from .files import local_path
 from .flatten import Flattened
 from .lock import StateDictLock
@@ -162,6 +162,7 @@ class CheckpointManager:
         # committed on this writer's node and missing on another (a commit that failed there)
         self._passed_over: set[int] = set()
         self._loading: set[int] = set()
+        self._handed: StepWriter | None = None  # the step this writer last handed to the background saver
         self._dirs = StepDirs(self._base, prefix)
         self._metrics = StepMetrics(self._dirs.place)  # the writer's: what ranks the steps for retention
         # writer="all": this manager, not the saver, decides who writes (the storage placement)
@@ -304,6 +305,7 @@ class CheckpointManager:
         """Hand the commit of ``writer_files`` to the background saver; a snapshot that failed (which the next
         :meth:`check` reports) leaves no temporary directory behind, as no commit is coming to use it."""
         what = f"step {tx.step} of {remote.where(self.root)}"
+        self._handed = tx
         if not self._saver.submit(writer_files, functools.partial(self._commit, commit, tx), what=what):  # type: ignore[union-attr]
             commit.abort()  # the saver waits for a write in flight, never skips: False means the snapshot failed
 
@@ -620,7 +622,8 @@ class CheckpointManager:
         call (:meth:`~ranksafe.AsyncSaver.poll`). Every rank, once per step; one store read while no rank has a
         failure, and none without ``async_save``."""
         if self._saver is not None:
-            self._saver.poll()
+            with self._passing_over_a_partial_commit():
+                self._saver.poll()
 
     def check(self) -> None:
         """Raise :class:`~ranksafe.RankFailure` on every rank if a background commit failed on any rank.
@@ -630,9 +633,25 @@ class CheckpointManager:
         single process the original error is raised unchanged.
         """
         if self._saver is not None:
-            self._saver.check()
+            with self._passing_over_a_partial_commit():
+                self._saver.check()
         else:
             share_outcome("checkpoint: check", None, self.timeout)
+
+    @contextlib.contextmanager
+    def _passing_over_a_partial_commit(self) -> Iterator[None]:
+        """Around a report of background failures: with a writer per node, one may be another writer's copy of the
+        step this writer committed last. That step is then passed over here, as after a synchronous commit that
+        failed elsewhere (:meth:`saving`)."""
+        try:
+            yield
+        except RankFailure:
+            tx = self._handed
+            if tx is not None and tx.copies > 1:
+                self._saver.wait()  # type: ignore[union-attr]  # its commit may still be running
+                if tx.committed:
+                    self._passed_over.add(tx.step)
+            raise
 
     def close(self) -> None:
         """Wait for the commit in flight, then :meth:`check`; collective. Call it at the end of training.
@@ -648,7 +667,8 @@ class CheckpointManager:
         """
         try:
             if self._saver is not None:
-                self._saver.close()
+                with self._passing_over_a_partial_commit():
+                    self._saver.close()
             else:
                 share_outcome("checkpoint: close", None, self.timeout)
         finally:
