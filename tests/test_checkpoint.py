@@ -370,6 +370,8 @@ def test_a_file_named_as_ranksafe_names_its_own_is_refused_and_nothing_is_commit
             tx.save(b"my own bytes", name)
         with pytest.raises(ValueError, match=name.replace(".", r"\.")), mgr.saving(2) as tx:
             pathlib.Path(tx.file(name)).write_bytes(b"my own bytes")
+    with pytest.raises(ValueError, match=r"MANIFEST\.json"), mgr.saving(2) as tx:  # straight into the directory
+        pathlib.Path(tx.path, "MANIFEST.json").write_bytes(b"my own bytes")
     assert [(s.step, s.status) for s in list_steps(tmp_path)] == [(1, "committed")]
     assert torch.equal(mgr.load()["w"], _state(1)["w"])
 
@@ -659,6 +661,30 @@ def test_a_background_commit_that_fails_on_one_node_is_passed_over_on_the_node_t
     values = run_ranks(_one_node_fails_a_background_commit_and_training_goes_on, 2, args=(str(tmp_path),)).values
     for v in values:
         assert v == {"failed": "RankFailure[OSError]", "held": ["step_00000010", "step_00000021"]}, values
+
+
+def _ranks_out_of_step_after_both_nodes_committed(rank, base):
+    root = as_node(rank, 1, base)
+    mgr = CheckpointManager(root, keep=1, storage="local", async_save=True)
+    for step in (10, 20):
+        mgr.save(step, _state(step))
+    mgr.check()  # step 20 is committed on both nodes
+    try:
+        mgr.check() if rank == 0 else mgr.close()  # a mismatch: no commit failed
+        failed = None
+    except ranksafe.RankFailure as e:
+        failed = type(e).__name__
+    mgr.save(21, _state(21))
+    mgr.close()
+    return {"failed": failed, "held": sorted(os.listdir(root))}
+
+
+def test_a_failure_that_says_nothing_about_a_commit_passes_no_step_over(tmp_path):
+    """The control of the test above: a mismatch (or a timeout) after step 20 was committed on both nodes must not
+    make step 20 look like a partial commit, or retention deletes it on both nodes."""
+    values = run_ranks(_ranks_out_of_step_after_both_nodes_committed, 2, args=(str(tmp_path),)).values
+    for v in values:
+        assert v == {"failed": "CollectiveMismatch", "held": ["step_00000020", "step_00000021"]}, values
 
 
 _FULL_DISK_CHILD = textwrap.dedent(

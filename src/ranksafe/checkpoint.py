@@ -49,7 +49,7 @@ from .commit import (
     step_commit,
     verify_step,
 )
-from .errors import RankFailure, naming_target
+from .errors import BarrierTimeout, CollectiveMismatch, RankFailure, naming_target
 from .files import local_path
 from .flatten import Flattened
 from .lock import StateDictLock
@@ -642,12 +642,15 @@ class CheckpointManager:
     def _passing_over_a_partial_commit(self) -> Iterator[None]:
         """Around a report of background failures: with a writer per node, one may be another writer's copy of the
         step this writer committed last. That step is then passed over here, as after a synchronous commit that
-        failed elsewhere (:meth:`saving`)."""
+        failed elsewhere (:meth:`saving`). Not for a timeout, a mismatch or a failure out of step, which say nothing
+        about a commit, nor for this rank's own failure alone."""
         try:
             yield
-        except RankFailure:
+        except RankFailure as e:
             tx = self._handed
-            if tx is not None and tx.copies > 1:
+            about_a_commit = not (isinstance(e, (BarrierTimeout, CollectiveMismatch)) or e.out_of_step)
+            elsewhere = any(rank != topology.rank() for rank in e.ranks)
+            if tx is not None and tx.copies > 1 and about_a_commit and elsewhere:
                 self._saver.wait()  # type: ignore[union-attr]  # its commit may still be running
                 if tx.committed:
                     self._passed_over.add(tx.step)

@@ -271,7 +271,12 @@ def build_manifest(
     directory: Place, step: int, known: Mapping[str, Entry], metrics: Mapping[str, float] | None = None
 ) -> dict[str, Any]:
     """The manifest of ``directory``: every file's size and CRC32 (from ``known`` when the writer reported it), and
-    the step's ``metrics`` if any."""
+    the step's ``metrics`` if any. Raises ``ValueError`` when a file of the manifest's name is there already: written
+    straight into the step's directory, past :func:`check_file_name`, it would be replaced (or commit the step early).
+    """
+    taken = join(directory, MANIFEST)
+    if taken.exists() if isinstance(taken, Remote) else os.path.lexists(taken):
+        raise ValueError(f"{name_of(taken)}: a file under the name of the step's manifest, written last; rename it")
     files = {}
     for rel in step_files(directory):
         size, crc = known[rel] if rel in known else _crc_file(join(directory, rel))
