@@ -254,7 +254,7 @@ def abort(exc: BaseException) -> None:
     error and takes part again withdraws its abort. A :class:`RankFailure` is already known everywhere and is
     not posted again. Local; never raises.
     """
-    if isinstance(exc, RankFailure) or not topology.is_distributed() or dist.get_world_size() == 1:
+    if isinstance(exc, RankFailure) or not topology.with_other_ranks():
         return
     post_abort(Failure.from_exception(topology.rank(), exc), replace=True)
 
