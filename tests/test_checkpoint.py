@@ -358,20 +358,23 @@ def test_file_names_and_prefixes_cannot_escape_the_step_directory(tmp_path, name
 
 def test_a_file_named_as_ranksafe_names_its_own_is_refused_and_nothing_is_committed(tmp_path):
     """Before, each of these saves said it succeeded: an extra file named MANIFEST.json was replaced by the manifest,
-    one named state.pt replaced the state (which was never written), and one ending in .ranksafe-tmp was neither
-    listed in the manifest nor verified."""
+    one named state.pt replaced the state (which was never written), or stood for it beside sharded state, and one
+    ending in .ranksafe-tmp was neither listed in the manifest nor verified."""
     mgr = CheckpointManager(tmp_path, keep=None)
     mgr.save(1, _state(1))
     for name in ("MANIFEST.json", "state.pt", "notes.ranksafe-tmp"):
         with pytest.raises(ValueError, match=name.replace(".", r"\.")):
             mgr.save(2, _state(2), extra_files={name: b"my own bytes"})
+    with pytest.raises(ValueError, match=r"state\.pt"):  # a load without sharded=True would take it for the state
+        mgr.save(2, _state(2), sharded=True, extra_files={"state.pt": b"my own bytes"})
     for name in ("MANIFEST.json", "notes.ranksafe-tmp"):  # a side file of the block
         with pytest.raises(ValueError, match=name.replace(".", r"\.")), mgr.saving(2) as tx:
             tx.save(b"my own bytes", name)
         with pytest.raises(ValueError, match=name.replace(".", r"\.")), mgr.saving(2) as tx:
             pathlib.Path(tx.file(name)).write_bytes(b"my own bytes")
-    with pytest.raises(ValueError, match=r"MANIFEST\.json"), mgr.saving(2) as tx:  # straight into the directory
-        pathlib.Path(tx.path, "MANIFEST.json").write_bytes(b"my own bytes")
+    for name in ("MANIFEST.json", "notes.ranksafe-tmp"):  # straight into the directory
+        with pytest.raises(ValueError, match=name.replace(".", r"\.")), mgr.saving(2) as tx:
+            pathlib.Path(tx.path, name).write_bytes(b"my own bytes")
     assert [(s.step, s.status) for s in list_steps(tmp_path)] == [(1, "committed")]
     assert torch.equal(mgr.load()["w"], _state(1)["w"])
 

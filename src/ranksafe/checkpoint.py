@@ -471,8 +471,10 @@ class CheckpointManager:
         whole = not sharded and shards is None  # else no state.pt: every rank writes its own part of the state
         files = {STATE: state, **(extra_files or {})} if whole else dict(extra_files or {})
         with self.saving(step, files, metrics, shards=shards) as tx:
-            if whole and STATE in (extra_files or {}):  # raised in the block: every rank hears of it after it
-                raise ValueError(f"checkpoint {step}: an extra file is named {STATE}, as the state is; rename it")
+            if STATE in (extra_files or {}):  # raised in the block: every rank hears of it after it
+                raise ValueError(  # also where the state is sharded: a load without into= would take it for the state
+                    f"checkpoint {step}: an extra file is named {STATE}, the name of a step's whole state; rename it"
+                )
             if sharded:
                 tx.save(state, _shard(topology.rank()))
         return self.step_dir(step)

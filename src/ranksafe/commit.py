@@ -249,17 +249,17 @@ def _crc_file(place: Place) -> Entry:
 
 
 def step_files(directory: Place) -> Iterator[str]:
-    """Relative paths ('/'-separated) of the files under ``directory``, except the manifest and temporaries."""
+    """Relative paths ('/'-separated) of the files under ``directory``, except the manifest."""
     if isinstance(directory, Remote):
         base = directory.path + "/"
         names = (p[len(base) :] for p in directory.fs.find(directory.path) if p.startswith(base))
-        yield from sorted(n for n in names if n != MANIFEST and not n.endswith(TMP_SUFFIX))
+        yield from sorted(n for n in names if n != MANIFEST)
         return
     for here, dirs, files in os.walk(directory):
         dirs.sort()
         for name in sorted(files):
             rel = os.path.relpath(os.path.join(here, name), directory).replace(os.sep, "/")
-            if rel != MANIFEST and not name.endswith(TMP_SUFFIX):
+            if rel != MANIFEST:
                 yield rel
 
 
@@ -271,14 +271,20 @@ def build_manifest(
     directory: Place, step: int, known: Mapping[str, Entry], metrics: Mapping[str, float] | None = None
 ) -> dict[str, Any]:
     """The manifest of ``directory``: every file's size and CRC32 (from ``known`` when the writer reported it), and
-    the step's ``metrics`` if any. Raises ``ValueError`` when a file of the manifest's name is there already: written
-    straight into the step's directory, past :func:`check_file_name`, it would be replaced (or commit the step early).
+    the step's ``metrics`` if any. Every rank's writes have ended by now, so a name :func:`check_file_name` refuses
+    can only have been written straight into the step's directory, past it: ``ValueError``. A file of the manifest's
+    name would be replaced (or commit the step early); a temporary's would be committed unverified.
     """
     taken = join(directory, MANIFEST)
     if taken.exists() if isinstance(taken, Remote) else os.path.lexists(taken):
         raise ValueError(f"{name_of(taken)}: a file under the name of the step's manifest, written last; rename it")
     files = {}
     for rel in step_files(directory):
+        if rel.endswith(TMP_SUFFIX):
+            raise ValueError(
+                f"{name_of(join(directory, rel))}: a file named as ranksafe's temporaries, left by a write that never "
+                "ended or written straight into the step's directory; a step would hold it unverified"
+            )
         size, crc = known[rel] if rel in known else _crc_file(join(directory, rel))
         files[rel] = {"size": size, "crc32": f"{crc:08x}"}
     manifest = {"format": FORMAT, "step": step, "time": time.time(), "files": files}

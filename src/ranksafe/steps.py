@@ -32,6 +32,7 @@ from .commit import (
     verify_step,
 )
 from .errors import CorruptCheckpoint
+from .files import TMP_SUFFIX
 from .remote import Remote
 
 
@@ -83,7 +84,8 @@ def list_steps(
 
 
 def _step_info(place: Place, step: int, partial: bool, deep: bool) -> StepInfo:
-    size = sum(size_of(join(place, rel)) for rel in step_files(place))
+    # a save's temporaries are left out: renamed between the listing and their size, they would hide the step
+    size = sum(size_of(join(place, rel)) for rel in step_files(place) if not rel.endswith(TMP_SUFFIX))
     status = StepStatus.COMMITTED
     error, when = None, _mtime(place)
     if partial or not _exists(join(place, MANIFEST)):
