@@ -690,6 +690,47 @@ def test_a_failure_that_says_nothing_about_a_commit_passes_no_step_over(tmp_path
         assert v == {"failed": "CollectiveMismatch", "held": ["step_00000020", "step_00000021"]}, values
 
 
+def _a_step_saved_again_fails_on_one_node_then_resume(rank, base, async_save):
+    import resource
+
+    root = as_node(rank, 1, base)  # two nodes of one rank each, each with its own disk
+    mgr = CheckpointManager(root, keep=None, storage="local", async_save=async_save)
+    for step in (1, 2):
+        mgr.save(step, _state(step))
+    mgr.wait()
+    if rank == 1:  # node 1's disk fills up (EFBIG, even for root): its copy of step 2 saved again fails
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+    try:
+        mgr.save(2, {"w": torch.full((1 << 16,), 20.0), "step": torch.tensor(2)})
+        mgr.wait()
+        mgr.check()
+        failed = None
+    except ranksafe.RankFailure as e:
+        failed = type(e).__name__
+    resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    mgr.close()
+    resumed = CheckpointManager(root, storage="local")  # as after a restart: nothing remembered
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        w = resumed.load(fallback=True)["w"]
+    fell_back = [str(x.message) for x in said if "falling back" in str(x.message)]
+    with pytest.raises(ranksafe.CorruptCheckpoint, match="different saves"):
+        resumed.load(2)
+    return {"failed": failed, "loaded": resumed.loaded_step, "w": float(w[0]), "fell back": len(fell_back)}
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_step_saved_again_whose_new_copy_failed_on_one_node_is_resumed_from_by_no_node(tmp_path, async_save):
+    """Before: node 0 committed its new copy of step 2 while node 1's failed and kept the old one. Both copies were
+    committed, so a resume loaded step 2 on both nodes: w=20 on node 0, w=2 on node 1, without a word. Now the
+    copies' manifests name different saves: the step is damaged, and every rank falls back to step 1 alike."""
+    values = run_ranks(
+        _a_step_saved_again_fails_on_one_node_then_resume, 2, args=(str(tmp_path), async_save), timeout=120
+    ).values
+    for v in values:
+        assert v == {"failed": "RankFailure[OSError]", "loaded": 1, "w": 1.0, "fell back": 1}, values
+
+
 _FULL_DISK_CHILD = textwrap.dedent(
     """
     import errno, resource, sys, torch, ranksafe

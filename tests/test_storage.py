@@ -163,6 +163,13 @@ def _read_only(root: str, own_namespace: bool) -> str:
     return "patched"
 
 
+def _save_per_node(rank, base, shared):
+    """Step 4 saved by two nodes of one rank each: each node's writer writes its own rank's state."""
+    root = as_node(rank, 1, base, shared)
+    mgr = CheckpointManager(root, storage="shared" if shared else "local")
+    mgr.save(4, {"w": torch.tensor([4.0, float(rank)])})
+
+
 def _load_read_only(rank, base, shared):
     root = as_node(rank, 2, base, shared)
     how = _read_only(root, own_namespace=not shared and root == os.path.join(base, "root"))  # as_node's
@@ -182,9 +189,7 @@ def _load_read_only(rank, base, shared):
 def test_checkpoints_on_a_read_only_root_load_with_the_default_probe(tmp_path, shared):
     """Fine-tuning from checkpoints on a read-only mount: the probe could not write its token, and every rank
     failed with EROFS unless storage= was given. Where no node can write, the copies' listings decide."""
-    roots = [tmp_path / "root"] if shared else [node_disk(tmp_path, n) for n in (0, 1)]
-    for node, root in enumerate(roots):
-        CheckpointManager(root).save(4, {"w": torch.tensor([4.0, float(node)])})
+    run_ranks(_save_per_node, 2, args=(str(tmp_path), shared), timeout=120).check()  # one save, a copy per node
     values = run_ranks(_load_read_only, 4, args=(str(tmp_path), shared), timeout=120).values
     assert [v["step"] for v in values] == [4] * 4
     assert [v["w"] for v in values] == [[4.0, 0.0]] * 4 if shared else [[4.0, 0.0]] * 2 + [[4.0, 1.0]] * 2

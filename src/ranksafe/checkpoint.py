@@ -26,6 +26,7 @@ import contextlib
 import functools
 import itertools
 import os
+import secrets
 import signal
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
@@ -377,12 +378,14 @@ class CheckpointManager:
         exc: BaseException | None,
     ) -> None:
         """The second exchange: every rank says what it wrote (or how it failed); the writer(s) learn every file of
-        their group for the manifest, and every rank rank 0's metrics. A failure anywhere, or two ranks that wrote one
-        file of one directory, aborts the step on every rank."""
+        their group for the manifest, and every rank rank 0's metrics and a token naming this save (every node's copy
+        of the step records it). A failure anywhere, or two ranks that wrote one file of one directory, aborts the step
+        on every rank."""
         step = tx.step
         try:
             posted = exchange_outcome(
-                f"checkpoint {step}: written", (where.group, tx.entries, tuple(writer_files), metrics), exc, list,
+                f"checkpoint {step}: written",
+                (where.group, tx.entries, tuple(writer_files), metrics, secrets.token_hex(8)), exc, list,
                 self.timeout, what=f"checkpoint {step}: write",
             )  # fmt: skip
             if clashes := _clashes([post[:3] for post in posted]):
@@ -390,7 +393,7 @@ class CheckpointManager:
                     f"checkpoint {step}: {'; '.join(clashes)}: one would replace the other in the step directory; "
                     "give each rank's side files a name of their own (f'rng_{rank}.pt')"
                 )
-            every_name = (name for _, entries, names, _ in posted for name in (*entries, *names))
+            every_name = (name for _, entries, names, *_ in posted for name in (*entries, *names))
             if part is not None and (taken := dcp_files(every_name)):  # sharded: DCP writes its own after the block
                 raise ValueError(
                     f"checkpoint {step}: {', '.join(taken)}: torch.distributed.checkpoint writes files of these names "
@@ -402,10 +405,10 @@ class CheckpointManager:
             if where.writer:
                 commit.abort()
             raise
-        for group, entries, _, _ in posted:
+        for group, entries, *_ in posted:
             if group == where.group:
                 tx.entries.update(entries)
-        tx.metrics = posted[0][3]  # rank 0's, on every node
+        tx.metrics, tx.save_id = posted[0][3:]  # rank 0's, on every node
         tx.copies = len({group for group, *_ in posted})
         self.schedule.saved()
 
@@ -420,7 +423,7 @@ class CheckpointManager:
             for name, obj in writer_files.items():
                 tx.save(obj, name)
             with naming_target(f"cannot commit step {tx.step}:", name_of(commit.final)):
-                commit.finalize(build_manifest(commit.tmp, tx.step, tx.entries, tx.metrics))
+                commit.finalize(build_manifest(commit.tmp, tx.step, tx.entries, tx.metrics, tx.save_id))
                 tx.committed = True
                 self._metrics.record(tx.step, tx.metrics)
                 self._passed_over.discard(tx.step)  # saved again, whole: it holds lower saves back again

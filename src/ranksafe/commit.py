@@ -213,6 +213,7 @@ class StepWriter:
         self.metrics: dict[str, float] = {}  # what the manifest records (see CheckpointManager.saving)
         self.copies = 1  # how many writers commit a copy of this step (one per node with node-local storage)
         self.committed = False  # whether this writer's copy is committed (retention may still fail after it)
+        self.save_id: str | None = None  # drawn by rank 0 for this save: every node's copy of the step records it
         self._tmp, self._final = commit.tmp, commit.final
 
     def file(self, name: str) -> str:
@@ -268,12 +269,19 @@ def size_of(place: Place) -> int:
 
 
 def build_manifest(
-    directory: Place, step: int, known: Mapping[str, Entry], metrics: Mapping[str, float] | None = None
+    directory: Place,
+    step: int,
+    known: Mapping[str, Entry],
+    metrics: Mapping[str, float] | None = None,
+    save_id: str | None = None,
 ) -> dict[str, Any]:
-    """The manifest of ``directory``: every file's size and CRC32 (from ``known`` when the writer reported it), and
-    the step's ``metrics`` if any. Every rank's writes have ended by now, so a name :func:`check_file_name` refuses
-    can only have been written straight into the step's directory, past it: ``ValueError``. A file of the manifest's
-    name would be replaced (or commit the step early); a temporary's would be committed unverified.
+    """The manifest of ``directory``: every file's size and CRC32 (from ``known`` when the writer reported it), the
+    step's ``metrics`` if any, and the ``save_id`` that tells one save's copies of a step (one per node) from
+    another's.
+
+    Every rank's writes have ended by now, so a name :func:`check_file_name` refuses can only have been written
+    straight into the step's directory, past it: ``ValueError``. A file of the manifest's name would be replaced (or
+    commit the step early); a temporary's would be committed unverified.
     """
     taken = join(directory, MANIFEST)
     if taken.exists() if isinstance(taken, Remote) else os.path.lexists(taken):
@@ -290,6 +298,8 @@ def build_manifest(
     manifest = {"format": FORMAT, "step": step, "time": time.time(), "files": files}
     if metrics:
         manifest["metrics"] = dict(metrics)
+    if save_id is not None:
+        manifest["save_id"] = save_id
     return manifest
 
 

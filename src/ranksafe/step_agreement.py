@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .collectives import exchange_outcome, share_outcome
-from .commit import Place, verify_step
+from .collectives import exchange_outcome
+from .commit import Place, name_of, verify_step
 from .errors import CorruptCheckpoint, error_naming_target
 from .sharded import verify_shares
 from .steps import StepDirs
@@ -49,23 +49,40 @@ def verdict(
     a :class:`CorruptCheckpoint` or ``FileNotFoundError``. The writer checks every file against the manifest; with
     ``split`` (a sharded step) every rank checks its share of the files instead. Any other error (an I/O error,
     remote storage refusing, a rank missing from the exchange, a failure out of step) says nothing about the step: it
-    raises. Collective."""
-    exc = None
+    raises. Collective.
+
+    With a writer per node, the copies must also come from one save (the manifests' ``save_id``): a step saved
+    again, whose new copy was committed on some nodes and failed on others, is damaged, or the nodes would resume
+    from different states."""
+    exc, save = None, None
     if split or writer:
         try:
             if split:
                 verify_shares(place)
             else:
-                verify_step(place)
+                save = verify_step(place).get("save_id", "")  # "": saved before save ids, by any save then
         except Exception as e:  # whatever the writer met, every rank must hear of it in the exchange below
             exc = e
     try:
         # named after the kind of load: ranks of which some pass into= and some do not meet a CollectiveMismatch
         # here, at once, instead of parting into DCP's collectives and a plain load's
         kind = "sharded, into=" if split else "whole"
-        share_outcome(f"checkpoint {step}: verify, {kind}", exc, timeout, what=f"verify step {step}")
+        saves = exchange_outcome(
+            f"checkpoint {step}: verify, {kind}", save, exc, _posted, timeout, what=f"verify step {step}"
+        )
     except (CorruptCheckpoint, FileNotFoundError) as e:  # RankFailure[...]; in a single process, the writer's own
         if getattr(e, "out_of_step", False):  # a rank's failure in another block: it says nothing about the step
             raise
         return e
+    if len(saves) > 1:
+        return CorruptCheckpoint(
+            name_of(place),
+            f"the nodes' copies of step {step} come from {len(saves)} different saves (a save of the step again was "
+            "committed on some nodes and failed on others)",
+        )
     return None
+
+
+def _posted(values: list[str | None]) -> set[str]:
+    """The save ids the writers posted (the other ranks post None)."""
+    return {v for v in values if v is not None}
