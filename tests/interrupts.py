@@ -1,10 +1,11 @@
-"""A ``KeyboardInterrupt`` at each point where CPython may run a signal handler, one point per try.
+"""A signal handler at each point where CPython may run one, one point per try: by default one that raises (Ctrl-C's
+``KeyboardInterrupt``), or one that does something and returns.
 
 CPython runs a Python signal handler (Ctrl-C's raises ``KeyboardInterrupt``) on the main thread at a few kinds of
 instruction only: on entering a Python function, when a call into C returns, and at a loop's back edge.
-:class:`InterruptAt` raises at the n-th such point of the code in the files it is given, so that a test can try
-every point of a short protocol, one run each, instead of hoping that a real signal lands in a window of a few
-instructions. The entry of a function that our code calls counts (the handler runs before its first line); what
+:class:`InterruptAt` runs its handler at the n-th such point of the code in the files it is given, so that a test
+can try every point of a short protocol, one run each, instead of hoping that a real signal lands in a window of a
+few instructions. The entry of a function that our code calls counts (the handler runs before its first line); what
 runs inside the standard library does not: its own windows (a ``threading.Condition`` taken by ``with`` and not
 yet released) are not ours to close, only to stay out of.
 """
@@ -18,13 +19,17 @@ from collections.abc import Callable
 _JUMP_BACKWARD = dis.opmap["JUMP_BACKWARD"]
 
 
-class InterruptAt:
-    """Raise ``KeyboardInterrupt`` at the ``n``-th interruptible point met in a file whose path contains one of
-    ``paths``, while active (:meth:`start` to :meth:`stop`). :attr:`seen` counts the points met; :attr:`where` names
-    the one interrupted."""
+def _raise_keyboard_interrupt() -> None:
+    raise KeyboardInterrupt
 
-    def __init__(self, n: int, paths: tuple[str, ...]) -> None:
-        self.n, self.paths = n, paths
+
+class InterruptAt:
+    """Run ``handler`` (by default: raise ``KeyboardInterrupt``) at the ``n``-th interruptible point met in a file whose
+    path contains one of ``paths``, while active (:meth:`start` to :meth:`stop`). :attr:`seen` counts the points met;
+    :attr:`where` names the one interrupted."""
+
+    def __init__(self, n: int, paths: tuple[str, ...], handler: Callable[[], None] = _raise_keyboard_interrupt) -> None:
+        self.n, self.paths, self.handler = n, paths, handler
         self.seen, self.where = 0, ""
         self._due: set = set()  # frames whose next instruction follows a call into C or a back edge
 
@@ -56,7 +61,7 @@ class InterruptAt:
         if self.seen == self.n:
             self.stop()
             self.where = f"{event} in {frame.f_code.co_name}, line {frame.f_lineno}"
-            raise KeyboardInterrupt
+            self.handler()
 
     def start(self) -> None:
         sys.setprofile(self._profile)
@@ -67,13 +72,18 @@ class InterruptAt:
         sys.setprofile(None)
 
 
-def interrupt_each_point(action: Callable[[], object], paths: tuple[str, ...], after: Callable[[str], None]) -> int:
-    """Run ``action`` once per interruptible point of ``paths`` it meets, interrupted there, until a run reaches its
+def interrupt_each_point(
+    action: Callable[[], object],
+    paths: tuple[str, ...],
+    after: Callable[[str], None],
+    handler: Callable[[], None] = _raise_keyboard_interrupt,
+) -> int:
+    """Run ``action`` once per interruptible point of ``paths`` it meets, ``handler`` run there, until a run reaches its
     end before its point; after each interrupted run, ``after(where)`` checks what it left (not interrupted).
     Returns the number of points tried."""
     tried = 0
     while True:
-        interrupt = InterruptAt(tried + 1, paths)
+        interrupt = InterruptAt(tried + 1, paths, handler)
         interrupt.start()
         try:
             action()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import gc
 import io
+import os
 import subprocess
 import sys
 import threading
@@ -155,6 +156,113 @@ def test_a_signal_handler_reads_while_its_thread_waits_to_write_instead_of_hangi
     out = subprocess.run([sys.executable, "-c", script, side], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     assert f"EVENTS {order}" in out.stdout, out.stdout
+
+
+_HANDLER_READS_AT_EACH_POINT = """
+import faulthandler, sys, threading, time
+sys.path.insert(0, {root!r})
+from ranksafe.lock import StateDictLock
+from tests.interrupts import interrupt_each_point
+faulthandler.dump_traceback_later(100, exit=True)  # a hang prints where, and fails the test
+
+
+class PlainMutex:  # the control's mutex: a plain lock, which records its owner so that a hang is counted, not met
+    def __init__(self):
+        self.lock, self.owner = threading.Lock(), None
+
+    def acquire(self, blocking=True, timeout=-1):
+        if self.lock.acquire(blocking, timeout):
+            self.owner = threading.get_ident()
+            return True
+        return False
+
+    def release(self):
+        self.owner = None
+        self.lock.release()
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc):
+        self.release()
+
+    def _is_owned(self):
+        return self.owner == threading.get_ident()
+
+
+# what the main thread takes, and what another thread does meanwhile: nothing, hold a side for a while, or wait to
+# write behind the main thread
+SCENARIOS = [(side, other) for side in ("write", "read") for other in (None, "read", "write", "waits to write")]
+
+
+def sweep(mutex):
+    hangs, wrong, tried = 0, [], 0
+    for side, other in SCENARIOS:
+        lock = StateDictLock()
+        if mutex == "plain":
+            lock._cond = threading.Condition(PlainMutex())
+        writing, ready = threading.Event(), threading.Event()
+
+        def other_thread():
+            with lock.read() if other == "read" else lock.write():
+                writing.set() if other != "read" else None
+                ready.set()
+                time.sleep(0.02 if other != "waits to write" else 0)
+                writing.clear()
+
+        def handler():  # a save from a signal handler: a snapshot, never beside another thread's write
+            nonlocal hangs
+            if mutex == "plain" and lock._cond._lock.owner == threading.get_ident():
+                hangs += 1  # it would wait for the mutex its own thread holds: for ever
+                return
+            if not lock.acquire_read(timeout=10):
+                wrong.append(f"{{side}}/{{other}}: the handler's read timed out")
+                return
+            if writing.is_set():
+                wrong.append(f"{{side}}/{{other}}: the handler read during another thread's write")
+            lock.release_read()
+
+        def action():
+            t = threading.Thread(target=other_thread)
+            if other in ("read", "write"):
+                ready.clear()
+                t.start()
+                ready.wait(5)
+            with lock.write() if side == "write" else lock.read():
+                if other == "waits to write":
+                    t.start()
+                    while t.ident not in lock._writers_waiting:
+                        time.sleep(0.001)
+            if other is not None:
+                t.join(10)
+
+        def after(where):
+            left = (lock._readers, lock._writer, lock._writers_waiting)
+            if left != (0, None, []):
+                wrong.append(f"{{side}}/{{other}} at {{where}}: left {{left}}")
+
+        tried += interrupt_each_point(action, ("/ranksafe/lock.py",), after, handler=handler)
+    print(mutex, "points", tried, "hangs", hangs, "wrong", len(wrong), *wrong, flush=True)
+
+
+sweep("plain")
+sweep("ranksafe")
+"""
+
+
+def test_a_signal_handler_that_reads_at_any_point_of_the_lock_neither_hangs_nor_overlaps_a_write():
+    """A save from a signal handler runs on the thread it interrupts, which may be inside the lock's own bookkeeping,
+    holding its mutex: with a plain mutex (the control) the handler waited for its own thread for ever. The handler
+    runs at every point of each protocol where CPython runs one; it must get the read side, never while another
+    thread writes, and leave the lock as it found it. A release that woke the waiting threads after giving the lock
+    back (as before) also hangs here: a handler landing between the two waited for a writer nobody woke."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = _HANDLER_READS_AT_EACH_POINT.format(root=root)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=150)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    plain, ours = (line.split() for line in out.stdout.splitlines())
+    assert plain[:2] == ["plain", "points"] and int(plain[4]) >= 20, out.stdout  # the control hangs, often
+    assert ours[:2] == ["ranksafe", "points"] and int(ours[2]) >= 100, out.stdout  # every point of 8 protocols
+    assert ours[3:] == ["hangs", "0", "wrong", "0"], out.stdout
 
 
 def test_a_held_write_side_times_readers_out():

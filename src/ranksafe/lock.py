@@ -24,7 +24,11 @@ class StateDictLock:
     """
 
     def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
+        # Re-entrant: a signal handler runs on the thread it interrupts, which may be inside this lock's own
+        # bookkeeping, holding the mutex (a plain lock hung there). So between two points where a handler can run
+        # (a call), the lock is either held or given back, never half-way, and every release wakes the waiting
+        # threads *before* it gives back: a handler that lands once it is given back may wait for one of them.
+        self._cond = threading.Condition(threading.RLock())
         self._readers = 0
         self._writer: int | None = None  # ident of the thread holding the write side
         self._write_depth = 0
@@ -46,55 +50,53 @@ class StateDictLock:
                     "StateDictLock: this thread holds the read side; taking the write side would deadlock"
                 )
             self._writers_waiting.append(me)
-            ok = False
             try:
-                ok = self._cond.wait_for(lambda: self._writer is None and self._readers == 0, timeout)
+                if not self._cond.wait_for(lambda: self._writer is None and self._readers == 0, timeout):
+                    return False
+                self._writer, self._write_depth = me, 1  # taken while still listed as waiting: see acquire_read
+                return True
             finally:
                 self._writers_waiting.remove(me)
-                if not ok:  # timed out, or a signal handler raised (Ctrl-C): readers queued behind it may go now
-                    self._cond.notify_all()
-            if not ok:
-                return False
-            self._writer, self._write_depth = me, 1
-            return True
+                self._cond.notify_all()  # given up (a timeout, a signal handler that raised): readers behind it go
 
     def release_write(self) -> None:
         """Give back the write side (once per acquire); wakes waiting snapshots when the last one is released."""
         with self._cond:
             if self._writer != threading.get_ident():
                 raise RuntimeError("StateDictLock: release_write() by a thread that does not hold the write side")
-            self._write_depth -= 1
-            if self._write_depth == 0:
-                self._writer = None
+            if self._write_depth == 1:
                 self._cond.notify_all()
+                self._writer = None
+            self._write_depth -= 1
 
     def acquire_read(self, timeout: float | None = None) -> bool:
         """Take the read side; False if ``timeout`` seconds passed first."""
         me = threading.get_ident()
         with self._cond:
-            reentrant = self._writer == me or self._reads() > 0
-            if not reentrant:
-                free = lambda: self._writer is None and not self._writers_waiting  # noqa: E731
-                if me in self._writers_waiting:
-                    # A signal handler (a save, as Lightning's SLURM requeue handler makes one) that interrupted this
-                    # thread's wait for the write side: that write has not begun, and a read queued behind it would
-                    # wait forever. Only another thread's write in progress is waited for.
-                    free = lambda: self._writer is None  # noqa: E731
-                if not self._cond.wait_for(free, timeout):
+            reads = self._reads()
+            if not (self._writer == me or reads):  # else re-entrant
+                # Queued behind waiting writers, except on a thread that waits to write itself: a signal handler (a
+                # save, as Lightning's SLURM requeue handler makes one) interrupted that wait, and the write cannot
+                # begin before the handler returns. Only another thread's write in progress is waited for.
+                queued = me not in self._writers_waiting
+                if not self._cond.wait_for(
+                    lambda: self._writer is None and not (queued and self._writers_waiting), timeout
+                ):
                     return False
             self._readers += 1
-            self._local.reads = self._reads() + 1
+            self._local.reads = reads + 1
             return True
 
     def release_read(self) -> None:
         """Give back the read side (once per acquire); wakes a waiting step when the last reader leaves."""
         with self._cond:
-            if not self._reads():
+            reads = self._reads()
+            if not reads:
                 raise RuntimeError("StateDictLock: release_read() by a thread that does not hold the read side")
-            self._local.reads -= 1
-            self._readers -= 1
-            if self._readers == 0:
+            if self._readers == 1:
                 self._cond.notify_all()
+            self._readers -= 1
+            self._local.reads = reads - 1
 
     @contextlib.contextmanager
     def write(self, timeout: float | None = None) -> Iterator[None]:
