@@ -379,19 +379,31 @@ def test_a_file_named_as_ranksafe_names_its_own_is_refused_and_nothing_is_commit
     assert torch.equal(mgr.load()["w"], _state(1)["w"])
 
 
-def _side_file_named_as_the_manifest_on_one_rank(rank, root):
+def _side_file_named_as_ranksafe_names_its_own_on_one_rank(rank, root, how):
     mgr = CheckpointManager(root, storage="shared")
     try:
         with mgr.saving(1) as tx:
-            tx.save(b"this rank's own", "MANIFEST.json" if rank == 1 else f"rng-{rank}.pt")
+            if rank == 0:
+                tx.save(b"this rank's own", f"rng-{rank}.pt")
+            elif how == "through the step writer":
+                tx.save(b"this rank's own", "MANIFEST.json")
+            else:  # found by the writer at its commit
+                pathlib.Path(tx.path, "notes.ranksafe-tmp").write_bytes(b"this rank's own")
     except ValueError as e:
         return type(e).__name__, e.ranks, mgr.latest()
     return "saved", None, mgr.latest()
 
 
-def test_a_side_file_named_as_the_manifest_on_one_rank_fails_every_rank_and_commits_nothing(tmp_path):
-    values = run_ranks(_side_file_named_as_the_manifest_on_one_rank, 2, args=(str(tmp_path),), timeout=60).values
-    assert values == [("RankFailure[ValueError]", [1], None)] * 2, values
+@pytest.mark.parametrize(
+    "how, failed", [("through the step writer", [1]), ("straight into the directory", [0])], ids=["writer", "straight"]
+)
+def test_a_side_file_named_as_ranksafe_names_its_own_on_one_rank_fails_every_rank_and_commits_nothing(
+    tmp_path, how, failed
+):
+    values = run_ranks(
+        _side_file_named_as_ranksafe_names_its_own_on_one_rank, 2, args=(str(tmp_path), how), timeout=60
+    ).values
+    assert values == [("RankFailure[ValueError]", failed, None)] * 2, values
 
 
 def test_list_steps_reports_committed_incomplete_and_corrupt(tmp_path):
@@ -402,12 +414,16 @@ def test_list_steps_reports_committed_incomplete_and_corrupt(tmp_path):
         pathlib.Path(tx.path, "notes.txt").write_text("hello")
     os.truncate(os.path.join(mgr.step_dir(2), "state.pt"), 100)
     os.remove(os.path.join(mgr.step_dir(3), "MANIFEST.json"))
-    AtomicDir(mgr.step_dir(5)).create()
+    in_progress = AtomicDir(mgr.step_dir(5))
+    in_progress.create()
+    pathlib.Path(in_progress.tmp, "a.txt").write_text("abc")
+    pathlib.Path(in_progress.tmp, ".b.txt.host.1.0a1b2c3d.ranksafe-tmp").write_bytes(bytes(100))  # a write going on
     steps = list_steps(tmp_path)
     assert [(s.step, s.status) for s in steps] == [
         (1, "committed"), (2, "corrupt"), (3, "incomplete"), (4, "committed"), (5, "incomplete"),
     ]  # fmt: skip
     assert "size is 100 bytes" in steps[1].error and steps[3].size == 5
+    assert steps[4].size == 3  # a temporary is renamed or gone any moment: not counted (nor stat'ed)
     assert mgr.latest() == 4  # latest() lists cheaply; load() verifies the contents
     with pytest.raises(ranksafe.CorruptCheckpoint, match=r"step_00000002/state\.pt"):
         mgr.load(2)
@@ -693,12 +709,12 @@ def test_a_failure_that_says_nothing_about_a_commit_passes_no_step_over(tmp_path
 def _a_step_saved_again_fails_on_one_node_then_resume(rank, base, async_save):
     import resource
 
-    root = as_node(rank, 1, base)  # two nodes of one rank each, each with its own disk
+    root = as_node(rank, 2, base)  # two nodes of two ranks each, each node with its own disk
     mgr = CheckpointManager(root, keep=None, storage="local", async_save=async_save)
     for step in (1, 2):
         mgr.save(step, _state(step))
     mgr.wait()
-    if rank == 1:  # node 1's disk fills up (EFBIG, even for root): its copy of step 2 saved again fails
+    if rank == 2:  # node 1's disk fills up (EFBIG, even for root): its copy of step 2 saved again fails
         resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
     try:
         mgr.save(2, {"w": torch.full((1 << 16,), 20.0), "step": torch.tensor(2)})
@@ -725,10 +741,44 @@ def test_a_step_saved_again_whose_new_copy_failed_on_one_node_is_resumed_from_by
     committed, so a resume loaded step 2 on both nodes: w=20 on node 0, w=2 on node 1, without a word. Now the
     copies' manifests name different saves: the step is damaged, and every rank falls back to step 1 alike."""
     values = run_ranks(
-        _a_step_saved_again_fails_on_one_node_then_resume, 2, args=(str(tmp_path), async_save), timeout=120
+        _a_step_saved_again_fails_on_one_node_then_resume, 4, args=(str(tmp_path), async_save), timeout=120
     ).values
     for v in values:
         assert v == {"failed": "RankFailure[OSError]", "loaded": 1, "w": 1.0, "fell back": 1}, values
+
+
+def _load_copies_made_apart(rank, base):
+    mgr = CheckpointManager(as_node(rank, 2, base), storage="local")  # two nodes of two ranks each
+    try:
+        return mgr.load()["w"].tolist()
+    except ranksafe.CorruptCheckpoint as e:
+        return str(e)
+
+
+def test_copies_of_a_step_made_apart_load_when_they_hold_the_same_files_and_are_refused_when_not(tmp_path):
+    """Each node's disk given the step by a save of its own (a conversion script run on each node): copies with the
+    same files are one state, and load; copies with other files would resume each node from another state."""
+    for same in (True, False):
+        base = tmp_path / str(same)
+        for node in (0, 1):
+            CheckpointManager(node_disk(base, node)).save(4, {"w": torch.tensor([4.0, 0.0 if same else node])})
+        values = run_ranks(_load_copies_made_apart, 4, args=(str(base),), timeout=120).values
+        if same:
+            assert values == [[4.0, 0.0]] * 4, values
+        else:
+            assert all("come from 2 different saves and hold different files" in v for v in values), values
+
+
+def test_a_damaged_save_id_is_corrupt_and_falls_back(tmp_path):
+    mgr = CheckpointManager(tmp_path)
+    for step in (1, 2):
+        mgr.save(step, _state(step))
+    path = pathlib.Path(mgr.step_dir(2), "MANIFEST.json")
+    path.write_text(path.read_text().replace('"save_id": "', '"save_id": ["', 1).replace('"\n}', '"]\n}'))
+    with pytest.raises(ranksafe.CorruptCheckpoint, match="damaged save id"):
+        mgr.load()
+    with pytest.warns(RuntimeWarning, match="falling back to step 1"):
+        assert mgr.load(fallback=True)["w"][0] == 1
 
 
 _FULL_DISK_CHILD = textwrap.dedent(

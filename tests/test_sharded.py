@@ -434,6 +434,13 @@ def _files_named_as_dcp_names_its_own(rank, root):
             tx.save(b"mine", f"__{rank}_0.distcp")
 
     out["side files"] = _attempt(side_files)
+
+    def state_file():  # a load without into= would take it for the state
+        with manager.saving(2, shards=state) as tx:
+            if rank == 1:
+                tx.save(b"mine", "state.pt")
+
+    out["state file"] = _attempt(state_file)
     manager.save(3, state, extra_files={"notes.txt": "fine"})
     out["committed"] = sorted(os.listdir(root))
     return out
@@ -447,6 +454,7 @@ def test_a_file_of_a_sharded_step_named_as_dcp_names_its_own_is_refused_on_every
     for v in values:
         assert v["extra file"].startswith("ValueError: checkpoint 1: __0_0.distcp: torch.distributed.checkpoint"), v
         assert v["side files"].startswith("ValueError: checkpoint 2: __0_0.distcp, __1_0.distcp: "), v
+        assert v["state file"].startswith("ValueError: checkpoint 2: a file named state.pt beside sharded state"), v
         assert v["committed"] == ["step_00000003"], v
 
 

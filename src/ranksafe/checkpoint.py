@@ -393,11 +393,16 @@ class CheckpointManager:
                     f"checkpoint {step}: {'; '.join(clashes)}: one would replace the other in the step directory; "
                     "give each rank's side files a name of their own (f'rng_{rank}.pt')"
                 )
-            every_name = (name for _, entries, names, *_ in posted for name in (*entries, *names))
+            every_name = {name for _, entries, names, *_ in posted for name in (*entries, *names)}
             if part is not None and (taken := dcp_files(every_name)):  # sharded: DCP writes its own after the block
                 raise ValueError(
                     f"checkpoint {step}: {', '.join(taken)}: torch.distributed.checkpoint writes files of these names "
                     "in a step of sharded state, and would replace them; name them otherwise"
+                )
+            if part is not None and STATE in every_name:
+                raise ValueError(
+                    f"checkpoint {step}: a file named {STATE} beside sharded state: a load without into= would take "
+                    "it for the state; name it otherwise"
                 )
         except BaseException:
             if part is not None:

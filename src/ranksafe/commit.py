@@ -331,6 +331,8 @@ def read_manifest(
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not (isinstance(files, dict) and manifest.get("format") == FORMAT):
         raise CorruptCheckpoint(name_of(path), f"not a {FORMAT} manifest")
+    if not isinstance(manifest.get("save_id", ""), str):
+        raise CorruptCheckpoint(name_of(path), f"damaged save id {manifest['save_id']!r}"[:300])
     for rel, meta in files.items():  # valid JSON is not a sound manifest: a flipped bit can rename a key
         if not (_inside(rel) and isinstance(meta, dict) and _is_size(meta.get("size")) and _is_crc(meta.get("crc32"))):
             raise CorruptCheckpoint(name_of(path), f"damaged manifest entry {rel!r}: {meta!r}"[:300])

@@ -5,6 +5,8 @@ is raised on every rank, or returned to every rank alike.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 
 from .collectives import exchange_outcome
@@ -51,38 +53,48 @@ def verdict(
     remote storage refusing, a rank missing from the exchange, a failure out of step) says nothing about the step: it
     raises. Collective.
 
-    With a writer per node, the copies must also come from one save (the manifests' ``save_id``): a step saved
-    again, whose new copy was committed on some nodes and failed on others, is damaged, or the nodes would resume
-    from different states."""
-    exc, save = None, None
+    With a writer per node, copies of the step from different saves (the manifests' ``save_id``) must also hold the
+    same files. Copies from one save may differ (each node's writer writes its own node's state), but a step saved
+    again, whose new copy was committed on some nodes and failed on others, would resume each node from another
+    state: it is damaged."""
+    exc, copy = None, None
     if split or writer:
         try:
             if split:
                 verify_shares(place)
             else:
-                save = verify_step(place).get("save_id", "")  # "": saved before save ids, by any save then
+                copy = _copy_of(verify_step(place))
         except Exception as e:  # whatever the writer met, every rank must hear of it in the exchange below
             exc = e
     try:
         # named after the kind of load: ranks of which some pass into= and some do not meet a CollectiveMismatch
         # here, at once, instead of parting into DCP's collectives and a plain load's
         kind = "sharded, into=" if split else "whole"
-        saves = exchange_outcome(
-            f"checkpoint {step}: verify, {kind}", save, exc, _posted, timeout, what=f"verify step {step}"
+        copies = exchange_outcome(
+            f"checkpoint {step}: verify, {kind}", copy, exc, _posted, timeout, what=f"verify step {step}"
         )
     except (CorruptCheckpoint, FileNotFoundError) as e:  # RankFailure[...]; in a single process, the writer's own
         if getattr(e, "out_of_step", False):  # a rank's failure in another block: it says nothing about the step
             raise
         return e
-    if len(saves) > 1:
+    saves, contents = {save for save, _ in copies}, {files for _, files in copies}
+    if len(saves) > 1 and len(contents) > 1:
         return CorruptCheckpoint(
             name_of(place),
-            f"the nodes' copies of step {step} come from {len(saves)} different saves (a save of the step again was "
-            "committed on some nodes and failed on others)",
+            f"the nodes' copies of step {step} come from {len(saves)} different saves and hold different files, so "
+            "each node would resume from another state (a save of the step again that failed on some nodes, or "
+            "copies made apart); save the step again, or fall back to an older one",
         )
     return None
 
 
-def _posted(values: list[str | None]) -> set[str]:
-    """The save ids the writers posted (the other ranks post None)."""
+def _copy_of(manifest: dict) -> tuple[str, str]:
+    """What tells copies of a step apart: the save that wrote it ("" before saves had ids) and a digest of its files'
+    names, sizes and checksums."""
+    files = json.dumps(manifest["files"], sort_keys=True).encode()
+    return manifest.get("save_id", ""), hashlib.sha256(files).hexdigest()
+
+
+def _posted(values: list[tuple[str, str] | None]) -> set[tuple[str, str]]:
+    """The copies the writers posted (the other ranks post None)."""
     return {v for v in values if v is not None}
