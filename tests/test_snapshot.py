@@ -440,6 +440,31 @@ def test_every_change_at_the_same_address_reaches_the_snapshot_as_torch_save_wou
         assert type(back) is torch.Tensor and not back.requires_grad and torch.equal(back, model[key]), n
 
 
+def test_dense_tensors_keep_their_strides_as_torch_save_keeps_them():
+    """Before, every staged tensor was contiguous: a channels_last weight or a transposed one came back from the
+    snapshot's file with other strides than from ``torch.save`` of the state (a model loaded with ``assign=True``
+    lost its memory format), and its copy was a gather instead of a straight one. A view with gaps still gets a
+    contiguous storage of its own bytes."""
+    conv = torch.randn(8, 4, 3, 3).to(memory_format=torch.channels_last)
+    state = {"conv": conv, "t": torch.randn(5, 7).t(), "gaps": torch.randn(6, 8)[:, ::2], "w": torch.randn(10)}
+    staging = StagingBuffers()
+    for _ in range(2):  # built, then reused
+        snap = staging.take(state)
+        buffer = io.BytesIO()
+        torch.save(snap, buffer)
+        buffer.seek(0)
+        back = torch.load(buffer)
+        for k, v in state.items():
+            assert torch.equal(back[k], v), k
+            assert back[k].stride() == (v.stride() if k != "gaps" else (4, 1)), k
+        assert back["conv"].is_contiguous(memory_format=torch.channels_last)
+        assert back["gaps"].untyped_storage().nbytes() == 6 * 4 * 4  # its own bytes only
+    assert staging.allocations == 1
+    state["conv"] = conv.contiguous()  # the same shape in another memory format: a layout of its own
+    snap = staging.take(state)
+    assert staging.allocations == 2 and snap["conv"].is_contiguous() and torch.equal(snap["conv"], conv)
+
+
 def test_values_changed_after_the_capture_do_not_reach_the_snapshot():
     """The copy is taken when capture() returns; the writer thread assembles it later, while training goes on."""
     w, log = torch.zeros(1000), {"loss": [1.0]}

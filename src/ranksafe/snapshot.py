@@ -2,8 +2,8 @@
 
 :class:`StagingBuffers` is the destination of snapshots. A capture takes the state apart in one walk
 (:class:`~ranksafe.flatten.Flattened`: containers copied, a slot for each tensor, the rest deep-copied). Then
-torch copies the tensors into staged tensors allocated for the state's *layout* (every tensor's dtype, shape and
-device, and which of them are tied) and reused while the layout stays. CUDA tensors go to pinned memory with
+torch copies the tensors into staged tensors allocated for the state's *layout* (every tensor's dtype, shape,
+strides and device, and which of them are tied) and reused while the layout stays. CUDA tensors go to pinned memory with
 non-blocking copies and one synchronisation per device. The writer thread puts the staged tensors into the slots
 (:meth:`Captured.assemble`). The caller holds the read side of a :class:`~ranksafe.lock.StateDictLock` meanwhile,
 so the copy never sees weights half-way through an optimizer step.
@@ -18,14 +18,11 @@ import torch
 from .flatten import Flattened
 
 
-def _fits_its_storage(t: torch.Tensor) -> bool:
-    """Whether every element of ``t`` lies inside its storage. Not so when the storage was resized under it (as
-    FSDP frees parameters): any copy of ``t`` would then read memory it does not own, or crash the process."""
-    if t.is_contiguous():
-        span = t.nbytes
-    else:
-        span = (1 + sum((n - 1) * abs(step) for n, step in zip(t.shape, t.stride(), strict=True))) * t.element_size()
-    return t.storage_offset() * t.element_size() + span <= t.untyped_storage().nbytes()
+def _span(t: torch.Tensor, stride: tuple[int, ...] | None) -> int:
+    """Bytes from the first element of ``t`` to the end of its last (``stride``: None where ``t`` is contiguous)."""
+    if stride is None:
+        return t.nbytes
+    return (1 + sum((n - 1) * abs(step) for n, step in zip(t.shape, stride, strict=True))) * t.element_size()
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -35,21 +32,33 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     )  # fmt: skip
 
 
-def _layout_key(sources: list[torch.Tensor]) -> list[tuple]:
-    """Each source's dtype, shape and device, and the number of the first source it is tied to (its own if none):
-    what a layout is built for, and what the next snapshot must match to reuse it.
+def _layout_key(flat: Flattened) -> list[tuple]:
+    """For each source: its dtype, shape, strides (None where contiguous) and device, and the number of the first
+    source it is tied to (its own if none). What a layout is built for, and what the next snapshot must match to
+    reuse it; one pass, as it runs on the caller's clock for every tensor of the state.
 
     Tied: a view of the same memory with the same dtype, shape and strides (tied weights, for which ``state_dict()``
-    gives a tensor object per key over one storage). Addresses serve to find them; none is read through."""
-    key = []
+    gives a tensor object per key over one storage). Addresses serve to find them; none is read through.
+
+    Raises ``ValueError`` naming a source that lies beyond its storage, before anything is read: the storage was
+    resized under it (as FSDP frees parameters), and any copy of it would read memory it does not own, or crash."""
+    sources = flat.sources
+    key: list[tuple] = []
     first_at: dict[int, int] = {}  # address -> the first source that starts there
     for i, t in enumerate(sources):
+        stride = None if t.is_contiguous() else t.stride()
+        if t.storage_offset() * t.element_size() + _span(t, stride) > (storage := t.untyped_storage().nbytes()):
+            raise ValueError(
+                f"{flat.where(i)} ({tuple(t.shape)}, {t.dtype}) lies beyond its storage of {storage} bytes: the "
+                "storage was resized under it (freed, as FSDP frees parameters); snapshot it once it holds its data "
+                "again"
+            )
         ptr = t.data_ptr()
         owner = first_at.setdefault(ptr, i)
         if owner != i and not _same_view(sources[owner], t):  # several views start there: an earlier one like t?
-            like = (j for j in range(owner, i) if key[j][3] == j and sources[j].data_ptr() == ptr)
+            like = (j for j in range(owner, i) if key[j][4] == j and sources[j].data_ptr() == ptr)
             owner = next((j for j in like if _same_view(sources[j], t)), i)
-        key.append((t.dtype, t.shape, t.device, owner))
+        key.append((t.dtype, t.shape, stride, t.device, owner))
     return key
 
 
@@ -58,11 +67,12 @@ class _Layout:
 
     def __init__(self, key: list[tuple], staged: list[torch.Tensor]) -> None:
         self.key, self.staged = key, staged  # one staged tensor per source; tied ones over the same bytes
-        self.untied = [i for i, (_, _, _, owner) in enumerate(key) if owner == i]
-        self.host = [i for i in self.untied if key[i][2].type == "cpu"]  # copied by one torch._foreach_copy_
+        self.untied = [i for i, entry in enumerate(key) if entry[4] == i]
+        devices = {i: key[i][3] for i in self.untied}
+        self.host = [i for i, device in devices.items() if device.type == "cpu"]  # copied by one torch._foreach_copy_
         self.host_staged = [staged[i] for i in self.host]
-        self.devices = [i for i in self.untied if key[i][2].type != "cpu"]  # copied first, one by one
-        self.cuda = {key[i][2] for i in self.devices if key[i][2].type == "cuda"}  # synchronised once each
+        self.devices = [i for i, device in devices.items() if device.type != "cpu"]  # copied first, one by one
+        self.cuda = {devices[i] for i in self.devices if devices[i].type == "cuda"}  # synchronised once each
         self.nbytes = sum(staged[i].nbytes for i in self.untied)
 
 
@@ -82,14 +92,15 @@ class Captured:
 class StagingBuffers:
     """Reusable destination of snapshots: staged tensors allocated for the state's layout and reused while it stays.
 
-    The layout is every tensor's dtype, shape and device, and which tensors are tied (views of one memory with one
-    dtype, shape and strides: staged once, tied again in the file, as ``torch.save`` of the state writes them). A
-    snapshot whose tensors match it copies into the same staged tensors; one that does not builds a new layout,
-    which takes over every staged tensor of the old one that still fits. Each staged tensor has a storage of its own
-    bytes: a checkpoint holds exactly the tensors. So a view of part of another tensor of the state (``x[2:5]`` beside
-    ``x``) is saved as a tensor of its own, with the same values, where ``torch.save`` of the live state would keep it
-    a view of ``x``'s storage. The snapshot's tensors stay valid until the next capture, so the
-    caller must not take a new snapshot while the previous one is being written (:class:`AsyncSaver` does not).
+    The layout is every tensor's dtype, shape, strides and device, and which tensors are tied (views of one memory
+    with one dtype, shape and strides: staged once, tied again in the file, as ``torch.save`` of the state writes
+    them). A snapshot whose tensors match it copies into the same staged tensors; one that does not builds a new
+    layout, which takes over every staged tensor of the old one that still fits. Each staged tensor has a storage of
+    its own bytes, with the strides of its source where they cover its elements and nothing else (channels_last, a
+    transpose), else contiguous: a checkpoint holds exactly the tensors. So a view of part of another tensor of the
+    state (``x[2:5]`` beside ``x``) is saved as a tensor of its own, with the same values, where ``torch.save`` of the
+    live state would keep it a view of ``x``'s storage. The snapshot's tensors stay valid until the next capture, so
+    the caller must not take a new snapshot while the previous one is being written (:class:`AsyncSaver` does not).
     """
 
     def __init__(self) -> None:
@@ -106,25 +117,28 @@ class StagingBuffers:
         """The staged tensors snapshots are copied into, one per tensor of the state (tied ones share bytes)."""
         return [] if self._layout is None else list(self._layout.staged)
 
-    def _build(self, key: list[tuple]) -> _Layout:
+    def _build(self, key: list[tuple], sources: list[torch.Tensor]) -> _Layout:
         """A layout for ``key``, taking over the current layout's staged tensors where one fits."""
-        spare: dict[tuple, list[torch.Tensor]] = {}  # (dtype, shape, pinned) -> staged tensors free to take
+        spare: dict[tuple, list[torch.Tensor]] = {}  # (dtype, shape, strides, pinned) -> staged tensors free to take
         for i in [] if self._layout is None else self._layout.untied:
-            dtype, shape, device, _ = self._layout.key[i]
-            spare.setdefault((dtype, shape, device.type == "cuda"), []).append(self._layout.staged[i])
+            dtype, shape, stride, device, _ = self._layout.key[i]
+            spare.setdefault((dtype, shape, stride, device.type == "cuda"), []).append(self._layout.staged[i])
         self._layout = None
         staged: list[Any] = [None] * len(key)
-        for i, (dtype, shape, device, owner) in enumerate(key):
-            if owner == i and (free := spare.get((dtype, shape, device.type == "cuda"))):
+        for i, (dtype, shape, stride, device, owner) in enumerate(key):
+            if owner == i and (free := spare.get((dtype, shape, stride, device.type == "cuda"))):
                 staged[i] = free.pop()
         for untaken in spare.values():  # freed before anything is allocated
             untaken.clear()
         allocated = False
-        for i, (dtype, shape, device, owner) in enumerate(key):
+        for i, (_, _, _, device, owner) in enumerate(key):
             if owner != i:  # another tensor object over the same bytes, as state_dict() gives tied weights
                 staged[i] = staged[owner].detach()
-            elif staged[i] is None:  # pinned for a GPU tensor, so that its copy need not block
-                staged[i] = torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
+            elif staged[i] is None:
+                # With the source's strides where they cover its elements and nothing else (channels_last, a
+                # transpose: kept as torch.save keeps them, and copied straight), else contiguous; pinned for a GPU
+                # tensor, so that its copy need not block.
+                staged[i] = torch.empty_like(sources[i], device="cpu", pin_memory=device.type == "cuda")
                 allocated = True
         self.allocations += allocated
         return _Layout(key, staged)
@@ -132,19 +146,12 @@ class StagingBuffers:
     def capture(self, state: Any) -> Captured:
         """Copy every tensor of ``state`` into the staged tensors and deep-copy the rest, now; assemble later.
 
-        Raises ``ValueError`` naming a tensor whose storage is smaller than its view, before reading anything."""
+        Raises ``ValueError`` naming a tensor whose storage is smaller than its view (:func:`_layout_key`)."""
         flat = Flattened(state)
         sources = flat.sources
-        for i, t in enumerate(sources):
-            if not _fits_its_storage(t):
-                raise ValueError(
-                    f"{flat.where(i)} ({tuple(t.shape)}, {t.dtype}) lies beyond its storage of "
-                    f"{t.untyped_storage().nbytes()} bytes: the storage was resized under it (freed, as FSDP frees "
-                    "parameters); snapshot it once it holds its data again"
-                )
-        key = _layout_key(sources)
+        key = _layout_key(flat)
         if self._layout is None or key != self._layout.key:
-            self._layout = self._build(key)
+            self._layout = self._build(key, sources)
         layout = self._layout
         with torch.no_grad():
             for i in layout.devices:  # first: the copies from GPUs overlap with the host copies
