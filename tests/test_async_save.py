@@ -585,6 +585,75 @@ def test_a_save_from_a_signal_handler_inside_save_writes_at_once_instead_of_dead
     assert "VALUES [0.0, 1.0, 1.0]" in out.stdout, out.stdout
 
 
+_SIGNAL_SAVE_WHILE_ANOTHER_THREAD_SNAPSHOTS = """
+import faulthandler, os, signal, sys, threading, time, traceback, torch
+from ranksafe.async_save import AsyncSaver
+from ranksafe.checkpoint_file import load_file
+from ranksafe.lock import StateDictLock
+faulthandler.dump_traceback_later(30, exit=True)  # a hang prints where, and fails the test
+d, lock = sys.argv[1], StateDictLock()
+saver, state = AsyncSaver(lock=lock), {"w": torch.zeros(1000)}
+main, reading, handled, events = threading.main_thread().ident, threading.Event(), threading.Event(), []
+
+
+def another_snapshot():  # holds the read side until the handler is done: the main thread's step waits for it
+    with lock.read():
+        reading.set()
+        handled.wait(10)
+    events.append("the read ends")
+
+
+def another_save():  # holds the saver while its snapshot queues behind the main thread's waiting step
+    saver.save(state, os.path.join(d, "thread.pt"))
+    events.append("the thread's snapshot")
+
+
+saving = threading.Thread(target=another_save)
+
+
+def signal_once_both_wait():
+    while main not in lock._writers_waiting:
+        time.sleep(0.01)
+    saving.start()
+    while "acquire_read" not in "".join(traceback.format_stack(sys._current_frames()[saving.ident])):
+        time.sleep(0.01)
+    signal.pthread_kill(main, signal.SIGUSR1)
+
+
+def on_usr1(signum, frame):  # Lightning's SLURM requeue handler saves a checkpoint from the handler
+    saver.save(state, os.path.join(d, "handler.pt"))
+    events.append("the handler's save")
+    handled.set()
+
+
+signal.signal(signal.SIGUSR1, on_usr1)
+threading.Thread(target=another_snapshot).start()
+reading.wait(5)
+threading.Thread(target=signal_once_both_wait).start()
+with lock.write():  # the optimizer step, waiting for the other snapshot when the signal comes
+    state["w"] += 1
+    events.append("the step")
+saving.join(10)
+saver.close()
+print("EVENTS", events)
+print("VALUES", [float(load_file(os.path.join(d, n))["w"][0]) for n in ("handler.pt", "thread.pt")])
+"""
+
+
+def test_a_signal_handler_saves_while_another_threads_snapshot_queues_behind_its_step(tmp_path):
+    """Before: the handler waited for the saver, which another thread held while its snapshot queued behind the
+    step the handler interrupted: a hang (here faulthandler ends it after 30 s). Now the handler's save is written
+    at once from the live state, before the step; the other thread's snapshot follows the step."""
+    out = subprocess.run(
+        [sys.executable, "-c", _SIGNAL_SAVE_WHILE_ANOTHER_THREAD_SNAPSHOTS, str(tmp_path)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    events = ["the handler's save", "the read ends", "the step", "the thread's snapshot"]
+    assert f"EVENTS {events}" in out.stdout, out.stdout
+    assert "VALUES [0.0, 1.0]" in out.stdout, out.stdout
+
+
 def _collective_in_signal_handler(rank):
     import signal
 

@@ -12,6 +12,7 @@ thread itself never runs a collective: it would race the training thread's colle
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -161,7 +162,7 @@ class AsyncSaver:
         if not is_writer(self.writer):
             return False
         callbacks = [cb for cb in (self.on_commit, on_commit) if cb is not None]
-        if self._submitter == threading.get_ident():
+        if self._submitter == threading.get_ident() or (self.lock is not None and self.lock.waits_to_write()):
             self._write_now(state, write_fn, callbacks)
             return True
         with self._submitting:
@@ -217,14 +218,17 @@ class AsyncSaver:
                 self._submitter = None
 
     def _write_now(self, state: Any, write_fn: Callable[[Any], Any], callbacks: list[OnCommit]) -> None:
-        """A save made while this very thread is inside :meth:`submit`: a signal handler (Lightning's SLURM
-        requeue handler saves a checkpoint from one). Waiting for the lock would wait forever, so the state is
-        written now, on this thread, straight from the live tensors (training is paused in the handler), after
-        the write in flight (if one was handed: it holds older state, and must not commit over this one).
-        The staging buffers are not touched: the interrupted snapshot may be half-way through them. Errors are
-        raised here, as by a synchronous save."""
+        """A save from a signal handler (Lightning's SLURM requeue handler saves a checkpoint from one) that cannot
+        wait for the snapshot in progress: the handler's thread is inside :meth:`submit` itself, or waits for the
+        write side of the lock (its optimizer step), behind which another thread's snapshot may be queued, holding
+        this saver. So the state is written now, on this thread, straight from the live tensors (training is paused
+        in the handler), under the read side of the lock (which waits only for another thread's step in progress),
+        after the write in flight (if one was handed: it holds older state, and must not commit over this one). The
+        staging buffers are not touched: the interrupted snapshot may be half-way through them. Errors are raised
+        here, as by a synchronous save."""
         self._worker.wait()
-        result = write_fn(state)
+        with contextlib.nullcontext() if self.lock is None else self.lock.read():
+            result = write_fn(state)
         for cb in callbacks:
             cb(result)
 

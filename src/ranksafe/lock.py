@@ -38,6 +38,11 @@ class StateDictLock:
     def _reads(self) -> int:
         return getattr(self._local, "reads", 0)
 
+    def waits_to_write(self) -> bool:
+        """Whether the calling thread waits for the write side: true only in a signal handler that interrupted that
+        wait, as nothing else runs on a thread while it waits."""
+        return threading.get_ident() in self._writers_waiting
+
     def acquire_write(self, timeout: float | None = None) -> bool:
         """Take the write side; False if ``timeout`` seconds passed first."""
         me = threading.get_ident()
