@@ -237,15 +237,46 @@ def sweep(mutex):
 
         def after(where):
             left = (lock._readers, lock._writer, lock._writers_waiting)
-            if left != (0, None, []):
+            if left != (0, None, {{}}):
                 wrong.append(f"{{side}}/{{other}} at {{where}}: left {{left}}")
 
         tried += interrupt_each_point(action, ("/ranksafe/lock.py",), after, handler=handler)
     print(mutex, "points", tried, "hangs", hangs, "wrong", len(wrong), *wrong, flush=True)
 
 
+def ctrl_c():  # a handler that raises: the lock is left free or held by this thread, whole, never half-way
+    half, held, tried, mutex = [], [], 0, 0
+    for side in ("write", "read"):
+        lock = StateDictLock()
+
+        def action():
+            with lock.write() if side == "write" else lock.read():
+                pass
+
+        def after(where):
+            nonlocal lock, mutex
+            me = threading.get_ident()
+            if lock._cond._is_owned():  # raised in Condition's own __enter__ or __exit__: the standard library's window
+                mutex += 1  # (a re-entrant mutex: the interrupted thread can still take the lock, the others cannot)
+                lock = StateDictLock()
+                return
+            left = (lock._readers, lock._writer, lock._write_depth, tuple(lock._writers_waiting), lock._reads())
+            whole = {{(0, None, 0, (), 0): "free", (0, me, 1, (), 0): "write", (1, None, 0, (), 1): "read"}}
+            if left not in whole:
+                half.append(f"{{side}} at {{where}}: {{left}}")
+            elif whole[left] != "free" and where.split(" in ")[1].split(",")[0] not in BEFORE_A_RELEASE:
+                held.append(f"{{side}} at {{where}}: the {{whole[left]}} side held")
+            lock = StateDictLock()
+
+        tried += interrupt_each_point(action, ("/ranksafe/lock.py",), after)
+    print("ctrl-c points", tried, "half", len(half), "held", len(held), "mutex", mutex, *half, *held, flush=True)
+
+
+# where a release has not begun yet, so that a Ctrl-C there leaves its side held, as at any point before a release
+BEFORE_A_RELEASE = ("release_write", "release_read", "__enter__", "_reads")
 sweep("plain")
 sweep("ranksafe")
+ctrl_c()
 """
 
 
@@ -254,15 +285,22 @@ def test_a_signal_handler_that_reads_at_any_point_of_the_lock_neither_hangs_nor_
     holding its mutex: with a plain mutex (the control) the handler waited for its own thread for ever. The handler
     runs at every point of each protocol where CPython runs one; it must get the read side, never while another
     thread writes, and leave the lock as it found it. A release that woke the waiting threads after giving the lock
-    back (as before) also hangs here: a handler landing between the two waited for a writer nobody woke."""
+    back (as before) also hangs here: a handler landing between the two waited for a writer nobody woke.
+
+    Then a handler that raises (Ctrl-C) at each point of a step and of a snapshot: the lock must be left free or held
+    whole by the interrupted thread, never half-way (before: a read counted but not on its thread, or a writer
+    listed as waiting for ever), and held only where the release had not begun (a release that woke the waiting
+    threads before giving back, outside a ``finally``, left its side held)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script = _HANDLER_READS_AT_EACH_POINT.format(root=root)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=150)
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
-    plain, ours = (line.split() for line in out.stdout.splitlines())
+    plain, ours, ctrl_c = (line.split() for line in out.stdout.splitlines())
     assert plain[:2] == ["plain", "points"] and int(plain[4]) >= 20, out.stdout  # the control hangs, often
     assert ours[:2] == ["ranksafe", "points"] and int(ours[2]) >= 100, out.stdout  # every point of 8 protocols
     assert ours[3:] == ["hangs", "0", "wrong", "0"], out.stdout
+    assert ctrl_c[:2] == ["ctrl-c", "points"] and int(ctrl_c[2]) >= 25, out.stdout
+    assert ctrl_c[3:7] == ["half", "0", "held", "0"], out.stdout
 
 
 def test_a_held_write_side_times_readers_out():

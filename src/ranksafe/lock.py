@@ -25,14 +25,16 @@ class StateDictLock:
 
     def __init__(self) -> None:
         # Re-entrant: a signal handler runs on the thread it interrupts, which may be inside this lock's own
-        # bookkeeping, holding the mutex (a plain lock hung there). So between two points where a handler can run
-        # (a call), the lock is either held or given back, never half-way, and every release wakes the waiting
-        # threads *before* it gives back: a handler that lands once it is given back may wait for one of them.
+        # bookkeeping, holding the mutex (a plain lock hung there). So at each point where a handler can run (a call)
+        # a side is held or given back, never half-way, and a release wakes the waiting threads *before* it gives
+        # back (a handler that lands once it is given back may wait for one of them), in a ``try`` whose ``finally``
+        # gives back even when the handler raises (Ctrl-C).
         self._cond = threading.Condition(threading.RLock())
         self._readers = 0
         self._writer: int | None = None  # ident of the thread holding the write side
         self._write_depth = 0
-        self._writers_waiting: list[int] = []  # idents of the threads waiting for the write side
+        # idents of the threads waiting for the write side: a dict, entered and left with no call
+        self._writers_waiting: dict[int, None] = {}
         self._local = threading.local()  # this thread's read depth
 
     def _reads(self) -> int:
@@ -54,25 +56,30 @@ class StateDictLock:
                 raise RuntimeError(
                     "StateDictLock: this thread holds the read side; taking the write side would deadlock"
                 )
-            self._writers_waiting.append(me)
+            self._writers_waiting[me] = None
+            granted = False
             try:
-                if not self._cond.wait_for(lambda: self._writer is None and self._readers == 0, timeout):
-                    return False
-                self._writer, self._write_depth = me, 1  # taken while still listed as waiting: see acquire_read
-                return True
-            finally:
-                self._writers_waiting.remove(me)
-                self._cond.notify_all()  # given up (a timeout, a signal handler that raised): readers behind it go
+                granted = self._cond.wait_for(lambda: self._writer is None and self._readers == 0, timeout)
+            finally:  # no call until the side is taken: no handler sees this thread neither waiting nor writing
+                del self._writers_waiting[me]
+                if granted:
+                    self._writer, self._write_depth = me, 1
+                else:  # a timeout, or a handler that raised in the wait: the readers queued behind it may go
+                    self._cond.notify_all()
+            return granted
 
     def release_write(self) -> None:
         """Give back the write side (once per acquire); wakes waiting snapshots when the last one is released."""
         with self._cond:
             if self._writer != threading.get_ident():
                 raise RuntimeError("StateDictLock: release_write() by a thread that does not hold the write side")
-            if self._write_depth == 1:
-                self._cond.notify_all()
-                self._writer = None
-            self._write_depth -= 1
+            try:
+                if self._write_depth == 1:
+                    self._cond.notify_all()
+            finally:
+                self._write_depth -= 1
+                if self._write_depth == 0:
+                    self._writer = None
 
     def acquire_read(self, timeout: float | None = None) -> bool:
         """Take the read side; False if ``timeout`` seconds passed first."""
@@ -98,10 +105,12 @@ class StateDictLock:
             reads = self._reads()
             if not reads:
                 raise RuntimeError("StateDictLock: release_read() by a thread that does not hold the read side")
-            if self._readers == 1:
-                self._cond.notify_all()
-            self._readers -= 1
-            self._local.reads = reads - 1
+            try:
+                if self._readers == 1:
+                    self._cond.notify_all()
+            finally:
+                self._readers -= 1
+                self._local.reads = reads - 1
 
     @contextlib.contextmanager
     def write(self, timeout: float | None = None) -> Iterator[None]:
