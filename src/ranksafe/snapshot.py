@@ -33,9 +33,13 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _layout_key(flat: Flattened) -> list[tuple]:
-    """For each source: its dtype, shape, strides (None where contiguous) and device, and the number of the first
+    """For each source: its dtype, shape, the strides it is staged with and its device, and the number of the first
     source it is tied to (its own if none). What a layout is built for, and what the next snapshot must match to
     reuse it; one pass, as it runs on the caller's clock for every tensor of the state.
+
+    Staged with the source's strides where they cover its elements and nothing else (channels_last, a transpose:
+    kept as ``torch.save`` keeps them, and copied straight), else contiguous (None), also for a view with gaps, whose
+    staged tensor holds its elements only.
 
     Tied: a view of the same memory with the same dtype, shape and strides (tied weights, for which ``state_dict()``
     gives a tensor object per key over one storage). Addresses serve to find them; none is read through.
@@ -47,12 +51,15 @@ def _layout_key(flat: Flattened) -> list[tuple]:
     first_at: dict[int, int] = {}  # address -> the first source that starts there
     for i, t in enumerate(sources):
         stride = None if t.is_contiguous() else t.stride()
-        if t.storage_offset() * t.element_size() + _span(t, stride) > (storage := t.untyped_storage().nbytes()):
+        span = _span(t, stride)
+        if t.storage_offset() * t.element_size() + span > (storage := t.untyped_storage().nbytes()):
             raise ValueError(
                 f"{flat.where(i)} ({tuple(t.shape)}, {t.dtype}) lies beyond its storage of {storage} bytes: the "
                 "storage was resized under it (freed, as FSDP frees parameters); snapshot it once it holds its data "
                 "again"
             )
+        if span != t.nbytes:  # gaps between its elements (or elements that overlap): staged contiguous
+            stride = None
         ptr = t.data_ptr()
         owner = first_at.setdefault(ptr, i)
         if owner != i and not _same_view(sources[owner], t):  # several views start there: an earlier one like t?
@@ -117,7 +124,7 @@ class StagingBuffers:
         """The staged tensors snapshots are copied into, one per tensor of the state (tied ones share bytes)."""
         return [] if self._layout is None else list(self._layout.staged)
 
-    def _build(self, key: list[tuple], sources: list[torch.Tensor]) -> _Layout:
+    def _build(self, key: list[tuple]) -> _Layout:
         """A layout for ``key``, taking over the current layout's staged tensors where one fits."""
         spare: dict[tuple, list[torch.Tensor]] = {}  # (dtype, shape, strides, pinned) -> staged tensors free to take
         for i in [] if self._layout is None else self._layout.untied:
@@ -131,14 +138,15 @@ class StagingBuffers:
         for untaken in spare.values():  # freed before anything is allocated
             untaken.clear()
         allocated = False
-        for i, (_, _, _, device, owner) in enumerate(key):
+        for i, (dtype, shape, stride, device, owner) in enumerate(key):
             if owner != i:  # another tensor object over the same bytes, as state_dict() gives tied weights
                 staged[i] = staged[owner].detach()
-            elif staged[i] is None:
-                # With the source's strides where they cover its elements and nothing else (channels_last, a
-                # transpose: kept as torch.save keeps them, and copied straight), else contiguous; pinned for a GPU
-                # tensor, so that its copy need not block.
-                staged[i] = torch.empty_like(sources[i], device="cpu", pin_memory=device.type == "cuda")
+            elif staged[i] is None:  # pinned for a GPU tensor, so that its copy need not block
+                pinned = device.type == "cuda"
+                if stride is None:
+                    staged[i] = torch.empty(shape, dtype=dtype, pin_memory=pinned)
+                else:
+                    staged[i] = torch.empty_strided(shape, stride, dtype=dtype, pin_memory=pinned)
                 allocated = True
         self.allocations += allocated
         return _Layout(key, staged)
@@ -151,7 +159,7 @@ class StagingBuffers:
         sources = flat.sources
         key = _layout_key(flat)
         if self._layout is None or key != self._layout.key:
-            self._layout = self._build(key, sources)
+            self._layout = self._build(key)
         layout = self._layout
         with torch.no_grad():
             for i in layout.devices:  # first: the copies from GPUs overlap with the host copies
