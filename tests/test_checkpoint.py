@@ -781,6 +781,47 @@ def test_a_damaged_save_id_is_corrupt_and_falls_back(tmp_path):
         assert mgr.load(fallback=True)["w"][0] == 1
 
 
+def _retention_fails_on_one_node_after_every_node_committed(rank, base, async_save):
+    root = as_node(rank, 1, base)  # two nodes of one rank each, each with its own disk
+    mgr = CheckpointManager(
+        root, keep=2, best_metric="loss", keep_best=1, storage="local", async_save=async_save
+    )  # fmt: skip
+    for step, loss in ((1, 0.9), (2, 0.8), (3, 0.7)):
+        mgr.save(step, _state(step), metrics={"loss": loss})
+    mgr.wait()
+    delete = AtomicDir.delete
+    if rank == 1:  # node 1 commits step 4, then cannot delete its oldest step (once)
+
+        def fails_once(self):
+            AtomicDir.delete = delete
+            raise OSError(errno.EIO, "Input/output error", self.final)
+
+        AtomicDir.delete = fails_once
+    try:
+        mgr.save(4, _state(4), metrics={"loss": 0.1})  # the best step
+        mgr.wait()
+        mgr.check()
+        failed = None
+    except ranksafe.RankFailure as e:  # "step 4 is committed": the caller goes on training
+        failed = type(e).__name__
+    for step in (5, 6):
+        mgr.save(step, _state(step), metrics={"loss": 0.5})
+    mgr.close()
+    return {"failed": failed, "held": sorted(os.listdir(root))}
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_retention_that_fails_on_one_node_after_every_node_committed_passes_no_step_over(tmp_path, async_save):
+    """Before: a writer passed step 4 over when the commit exchange failed on another node, though that node had
+    committed it and only failed to delete an older step. The next save deleted step 4, the best one, on both nodes
+    (sync), or on node 0 only (async: the nodes then held different steps). With one writer, step 4 stayed."""
+    values = run_ranks(
+        _retention_fails_on_one_node_after_every_node_committed, 2, args=(str(tmp_path), async_save), timeout=120
+    ).values
+    for v in values:
+        assert v == {"failed": "RankFailure[OSError]", "held": [f"step_0000000{s}" for s in (4, 5, 6)]}, values
+
+
 _FULL_DISK_CHILD = textwrap.dedent(
     """
     import errno, resource, sys, torch, ranksafe

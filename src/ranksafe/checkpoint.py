@@ -80,6 +80,15 @@ __all__ = [
 STATE = "state.pt"
 
 
+def _copy_may_be_missing(e: BaseException, step: int) -> bool:
+    """Whether a failure around the commit of ``step`` leaves another writer's copy of it in doubt: another rank
+    failed (or never came), and not after committing ``step`` (a retention that failed after the commit)."""
+    failures = getattr(e, "failures", None)
+    if failures is None:  # no rank named: assume the worst
+        return True
+    return any(f.rank != topology.rank() and f.committed_step != step for f in failures)
+
+
 def _shard(rank: int) -> str:
     return f"shard-{rank:05d}.pt"
 
@@ -295,8 +304,8 @@ class CheckpointManager:
                 with together(f"checkpoint {step}: commit", self.timeout):
                     if where.writer:
                         self._commit(commit, tx, writer_files)
-            except BaseException:
-                if tx.committed and tx.copies > 1:  # a writer failed after this one committed: other nodes may lack it
+            except BaseException as e:
+                if tx.committed and tx.copies > 1 and _copy_may_be_missing(e, step):  # other nodes may lack it
                     self._passed_over.add(step)
                 raise
         elif where.writer and part is None:  # the snapshot of writer_files is taken now; check() reports a failure
@@ -511,6 +520,7 @@ class CheckpointManager:
                 step_commit(self._dirs.place(step)).delete()  # no longer committed before its files go
             except OSError as e:  # raised on every rank: say that the step being saved is safe
                 e.add_note(f"step {newest} is committed; retention could not delete step {step} after it")
+                e.committed_step = newest  # type: ignore[attr-defined]  # and tell the other writers (Failure)
                 raise
             self._metrics.forget(step)
             self._passed_over.discard(step)
@@ -653,14 +663,14 @@ class CheckpointManager:
         """Around a report of background failures: with a writer per node, one may be another writer's copy of the
         step this writer committed last. That step is then passed over here, as after a synchronous commit that
         failed elsewhere (:meth:`saving`). Not for a timeout, a mismatch or a failure out of step, which say nothing
-        about a commit, nor for this rank's own failure alone."""
+        about a commit, nor for this rank's own failure alone, nor for another writer's that came after its copy was
+        committed (its retention failed)."""
         try:
             yield
         except RankFailure as e:
             tx = self._handed
             about_a_commit = not (isinstance(e, (BarrierTimeout, CollectiveMismatch)) or e.out_of_step)
-            elsewhere = any(rank != topology.rank() for rank in e.ranks)
-            if tx is not None and tx.copies > 1 and about_a_commit and elsewhere:
+            if tx is not None and tx.copies > 1 and about_a_commit and _copy_may_be_missing(e, tx.step):
                 self._saver.wait()  # type: ignore[union-attr]  # its commit may still be running
                 if tx.committed:
                     self._passed_over.add(tx.step)

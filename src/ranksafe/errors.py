@@ -104,6 +104,7 @@ class Failure:
     path: str | None = None  # the file the error is about, when it says (CorruptCheckpoint.path, OSError.filename)
     errno: int | None = None  # OSError's code, so that `e.errno == errno.ENOSPC` works on every rank
     reason: str | None = None  # CorruptCheckpoint's and UntrustedCheckpoint's, without the path
+    committed_step: int | None = None  # a step this rank had committed when it failed (its retention failed after)
 
     @classmethod
     def from_exception(cls, rank: int, exc: BaseException) -> Failure:
@@ -111,10 +112,12 @@ class Failure:
         path = getattr(exc, "path", None) or getattr(exc, "filename", None)
         code = getattr(exc, "errno", None)
         reason = getattr(exc, "reason", None) if isinstance(exc, RankSafeError) else None
+        committed = getattr(exc, "committed_step", None)
         message = " ".join([str(exc), *(f"({note})" for note in getattr(exc, "__notes__", ()))])
         return cls(
             rank, f"{t.__module__}.{t.__qualname__}", message, None if path is None else str(path),
             code if isinstance(code, int) else None, reason if isinstance(reason, str) else None,
+            committed if type(committed) is int else None,
         )  # fmt: skip
 
     @property
