@@ -245,13 +245,27 @@ def sweep(mutex):
 
 
 def ctrl_c():  # a handler that raises: the lock is left free or held by this thread, whole, never half-way
-    half, held, tried, mutex = [], [], 0, 0
+    half, held, lost, tried, mutex = [], [], [], 0, 0
     for side in ("write", "read"):
-        lock = StateDictLock()
+        lock, run = StateDictLock(), {{}}
+
+        def other_side(lock, run, side):  # another thread, waiting for the other side meanwhile: it must get it
+            got = lock.acquire_read(timeout=5) if side == "write" else lock.acquire_write(timeout=5)
+            run["got"] = got, time.monotonic()
+            if got:
+                lock.release_read() if side == "write" else lock.release_write()
 
         def action():
+            nonlocal run
+            run = {{}}
             with lock.write() if side == "write" else lock.read():
-                pass
+                run["other"] = threading.Thread(target=other_side, args=(lock, run, side), daemon=True)
+                run["other"].start()
+                if side == "read":
+                    while run["other"].ident not in lock._writers_waiting:
+                        time.sleep(0.001)
+                else:
+                    time.sleep(0.02)  # the read queues behind this write
 
         def after(where):
             nonlocal lock, mutex
@@ -262,14 +276,25 @@ def ctrl_c():  # a handler that raises: the lock is left free or held by this th
                 return
             left = (lock._readers, lock._writer, lock._write_depth, tuple(lock._writers_waiting), lock._reads())
             whole = {{(0, None, 0, (), 0): "free", (0, me, 1, (), 0): "write", (1, None, 0, (), 1): "read"}}
-            if left not in whole:
+            other = tuple(lock._writers_waiting) if side == "read" else ()  # the other thread, waiting to write
+            left_mine = left[:3] + (tuple(w for w in left[3] if w not in other),) + left[4:]
+            if left_mine not in whole:
                 half.append(f"{{side}} at {{where}}: {{left}}")
-            elif whole[left] != "free" and where.split(" in ")[1].split(",")[0] not in BEFORE_A_RELEASE:
-                held.append(f"{{side}} at {{where}}: the {{whole[left]}} side held")
+            elif whole[left_mine] != "free":
+                if where.split(" in ")[1].split(",")[0] not in BEFORE_A_RELEASE:
+                    held.append(f"{{side}} at {{where}}: the {{whole[left_mine]}} side held")
+                lock.release_write() if whole[left_mine] == "write" else lock.release_read()  # as its owner would
+            free = time.monotonic()
+            if "other" in run:
+                run["other"].join(10)
+                got, when = run.get("got", (False, 0.0))
+                if not got or when - free > 1:  # no wakeup came: it waited for its timeout
+                    lost.append(f"{{side}} at {{where}}: the other thread got the lock {{when - free:.1f}}s later")
             lock = StateDictLock()
 
         tried += interrupt_each_point(action, ("/ranksafe/lock.py",), after)
-    print("ctrl-c points", tried, "half", len(half), "held", len(held), "mutex", mutex, *half, *held, flush=True)
+    print("ctrl-c points", tried, "half", len(half), "held", len(held), "lost", len(lost), "mutex", mutex, *half,
+          *held, *lost, flush=True)  # fmt: skip
 
 
 # where a release has not begun yet, so that a Ctrl-C there leaves its side held, as at any point before a release
@@ -290,7 +315,8 @@ def test_a_signal_handler_that_reads_at_any_point_of_the_lock_neither_hangs_nor_
     Then a handler that raises (Ctrl-C) at each point of a step and of a snapshot: the lock must be left free or held
     whole by the interrupted thread, never half-way (before: a read counted but not on its thread, or a writer
     listed as waiting for ever), and held only where the release had not begun (a release that woke the waiting
-    threads before giving back, outside a ``finally``, left its side held)."""
+    threads before giving back, outside a ``finally``, left its side held); and a thread waiting for the other side
+    must get it as soon as it is free (a release interrupted in its wakeup left it waiting for ever)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script = _HANDLER_READS_AT_EACH_POINT.format(root=root)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=150)
@@ -300,7 +326,47 @@ def test_a_signal_handler_that_reads_at_any_point_of_the_lock_neither_hangs_nor_
     assert ours[:2] == ["ranksafe", "points"] and int(ours[2]) >= 100, out.stdout  # every point of 8 protocols
     assert ours[3:] == ["hangs", "0", "wrong", "0"], out.stdout
     assert ctrl_c[:2] == ["ctrl-c", "points"] and int(ctrl_c[2]) >= 25, out.stdout
-    assert ctrl_c[3:7] == ["half", "0", "held", "0"], out.stdout
+    assert ctrl_c[3:9] == ["half", "0", "held", "0", "lost", "0"], out.stdout
+
+
+_HANDLER_WRITES_WHILE_ITS_THREAD_WAITS_TO_WRITE = """
+import faulthandler, signal, threading, time
+from ranksafe.lock import StateDictLock
+faulthandler.dump_traceback_later(30, exit=True)  # a hang prints where, and fails the test
+lock, reading, main, seen = StateDictLock(), threading.Event(), threading.main_thread().ident, []
+
+
+def another_snapshot():  # the main thread's step waits for it; a signal comes meanwhile
+    with lock.read():
+        reading.set()
+        while main not in lock._writers_waiting:
+            time.sleep(0.01)
+        signal.pthread_kill(main, signal.SIGUSR1)
+        time.sleep(0.2)
+
+
+def on_usr1(signum, frame):  # a handler that takes the write side itself (a last step, weights restored)
+    with lock.write(timeout=5):
+        seen.append("the handler's write")
+    seen.append(f"still waiting: {lock.waits_to_write()}")
+
+
+signal.signal(signal.SIGUSR1, on_usr1)
+threading.Thread(target=another_snapshot).start()
+reading.wait(5)
+with lock.write(timeout=5):
+    seen.append("the step")
+print("SEEN", seen, dict(lock._writers_waiting))
+"""
+
+
+def test_a_signal_handler_that_writes_while_its_thread_waits_to_write_leaves_that_wait_as_it_was():
+    """Review of cd7d874: the waiting writers were a dict of threads, and the handler's wait removed its thread's
+    entry; the interrupted wait then raised ``KeyError`` (the step failed), and meanwhile no read queued behind it."""
+    script = _HANDLER_WRITES_WHILE_ITS_THREAD_WAITS_TO_WRITE
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert "SEEN [\"the handler's write\", 'still waiting: True', 'the step'] {}" in out.stdout, out.stdout
 
 
 def test_a_held_write_side_times_readers_out():

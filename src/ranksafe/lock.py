@@ -33,8 +33,9 @@ class StateDictLock:
         self._readers = 0
         self._writer: int | None = None  # ident of the thread holding the write side
         self._write_depth = 0
-        # idents of the threads waiting for the write side: a dict, entered and left with no call
-        self._writers_waiting: dict[int, None] = {}
+        # how many waits for the write side each thread is in (a handler's inside its thread's): a dict, left with no
+        # call
+        self._writers_waiting: dict[int, int] = {}
         self._local = threading.local()  # this thread's read depth
 
     def _reads(self) -> int:
@@ -56,12 +57,15 @@ class StateDictLock:
                 raise RuntimeError(
                     "StateDictLock: this thread holds the read side; taking the write side would deadlock"
                 )
-            self._writers_waiting[me] = None
+            self._writers_waiting[me] = self._writers_waiting.get(me, 0) + 1
             granted = False
             try:
                 granted = self._cond.wait_for(lambda: self._writer is None and self._readers == 0, timeout)
             finally:  # no call until the side is taken: no handler sees this thread neither waiting nor writing
-                del self._writers_waiting[me]
+                if waits := self._writers_waiting[me] - 1:
+                    self._writers_waiting[me] = waits
+                else:
+                    del self._writers_waiting[me]
                 if granted:
                     self._writer, self._write_depth = me, 1
                 else:  # a timeout, or a handler that raised in the wait: the readers queued behind it may go
@@ -73,13 +77,17 @@ class StateDictLock:
         with self._cond:
             if self._writer != threading.get_ident():
                 raise RuntimeError("StateDictLock: release_write() by a thread that does not hold the write side")
+            woke = False
             try:
                 if self._write_depth == 1:
                     self._cond.notify_all()
+                woke = True
             finally:
                 self._write_depth -= 1
                 if self._write_depth == 0:
                     self._writer = None
+                    if not woke:  # a handler raised in the wakeup: the waiting threads would wait for ever
+                        self._cond.notify_all()
 
     def acquire_read(self, timeout: float | None = None) -> bool:
         """Take the read side; False if ``timeout`` seconds passed first."""
@@ -105,12 +113,16 @@ class StateDictLock:
             reads = self._reads()
             if not reads:
                 raise RuntimeError("StateDictLock: release_read() by a thread that does not hold the read side")
+            woke = False
             try:
                 if self._readers == 1:
                     self._cond.notify_all()
+                woke = True
             finally:
                 self._readers -= 1
                 self._local.reads = reads - 1
+                if not woke:  # a handler raised in the wakeup: the waiting threads would wait for ever
+                    self._cond.notify_all()
 
     @contextlib.contextmanager
     def write(self, timeout: float | None = None) -> Iterator[None]:
