@@ -781,7 +781,7 @@ def test_a_damaged_save_id_is_corrupt_and_falls_back(tmp_path):
         assert mgr.load(fallback=True)["w"][0] == 1
 
 
-def _retention_fails_on_one_node_after_every_node_committed(rank, base, async_save):
+def _retention_fails_on_one_node_after_every_node_committed(rank, base, async_save, what_fails):
     root = as_node(rank, 1, base)  # two nodes of one rank each, each with its own disk
     mgr = CheckpointManager(
         root, keep=2, best_metric="loss", keep_best=1, storage="local", async_save=async_save
@@ -789,14 +789,15 @@ def _retention_fails_on_one_node_after_every_node_committed(rank, base, async_sa
     for step, loss in ((1, 0.9), (2, 0.8), (3, 0.7)):
         mgr.save(step, _state(step), metrics={"loss": loss})
     mgr.wait()
-    delete = AtomicDir.delete
-    if rank == 1:  # node 1 commits step 4, then cannot delete its oldest step (once)
+    owner, name = (AtomicDir, "delete") if what_fails == "delete" else (StepDirs, "committed")
+    works = getattr(owner, name)
+    if rank == 1:  # node 1 commits step 4, then cannot delete its oldest step, or list its steps (once)
 
         def fails_once(self):
-            AtomicDir.delete = delete
-            raise OSError(errno.EIO, "Input/output error", self.final)
+            setattr(owner, name, works)
+            raise OSError(errno.EIO, "Input/output error", "a step")
 
-        AtomicDir.delete = fails_once
+        setattr(owner, name, fails_once)
     try:
         mgr.save(4, _state(4), metrics={"loss": 0.1})  # the best step
         mgr.wait()
@@ -810,13 +811,20 @@ def _retention_fails_on_one_node_after_every_node_committed(rank, base, async_sa
     return {"failed": failed, "held": sorted(os.listdir(root))}
 
 
+@pytest.mark.parametrize("what_fails", ["delete", "listing"])
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
-def test_a_retention_that_fails_on_one_node_after_every_node_committed_passes_no_step_over(tmp_path, async_save):
+def test_a_retention_that_fails_on_one_node_after_every_node_committed_passes_no_step_over(
+    tmp_path, async_save, what_fails
+):
     """Before: a writer passed step 4 over when the commit exchange failed on another node, though that node had
     committed it and only failed to delete an older step. The next save deleted step 4, the best one, on both nodes
-    (sync), or on node 0 only (async: the nodes then held different steps). With one writer, step 4 stayed."""
+    (sync), or on node 0 only (async: the nodes then held different steps). With one writer, step 4 stayed. The review
+    of the first fix found the same with a failure to list the steps, which the fix did not mark as after the commit."""
     values = run_ranks(
-        _retention_fails_on_one_node_after_every_node_committed, 2, args=(str(tmp_path), async_save), timeout=120
+        _retention_fails_on_one_node_after_every_node_committed,
+        2,
+        args=(str(tmp_path), async_save, what_fails),
+        timeout=120,
     ).values
     for v in values:
         assert v == {"failed": "RankFailure[OSError]", "held": [f"step_0000000{s}" for s in (4, 5, 6)]}, values

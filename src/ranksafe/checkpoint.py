@@ -441,10 +441,13 @@ class CheckpointManager:
                 tx.committed = True
                 self._metrics.record(tx.step, tx.metrics)
                 self._passed_over.discard(tx.step)  # saved again, whole: it holds lower saves back again
-        except BaseException:
-            commit.abort()
+            self._retain(newest=tx.step, confirmed=tx.copies == 1)
+        except BaseException as e:
+            if tx.committed:  # this copy is in: the other writers need not pass the step over (Failure)
+                e.committed_step = tx.step  # type: ignore[attr-defined]
+            else:
+                commit.abort()
             raise
-        self._retain(newest=tx.step, confirmed=tx.copies == 1)
         return name_of(commit.final)
 
     def _shards(self, shards: dict[str, Any], commit: DirCommit, tx: StepWriter, writer: bool) -> StepShards:
@@ -520,7 +523,6 @@ class CheckpointManager:
                 step_commit(self._dirs.place(step)).delete()  # no longer committed before its files go
             except OSError as e:  # raised on every rank: say that the step being saved is safe
                 e.add_note(f"step {newest} is committed; retention could not delete step {step} after it")
-                e.committed_step = newest  # type: ignore[attr-defined]  # and tell the other writers (Failure)
                 raise
             self._metrics.forget(step)
             self._passed_over.discard(step)
