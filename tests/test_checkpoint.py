@@ -781,7 +781,14 @@ def test_a_damaged_save_id_is_corrupt_and_falls_back(tmp_path):
         assert mgr.load(fallback=True)["w"][0] == 1
 
 
-def _retention_fails_on_one_node_after_every_node_committed(rank, base, async_save, what_fails):
+_AFTER_THE_COMMIT = {  # what fails once on node 1 after its copy of step 4 is in
+    "delete": (AtomicDir, "delete"),  # retention: the oldest step
+    "listing": (StepDirs, "committed"),  # retention: the steps to rank
+    "fsync": (ranksafe.commit, "fsync_dir"),  # the commit: the parent directory, after the rename
+}
+
+
+def _fails_after_the_commit(rank, base, async_save, what_fails):
     root = as_node(rank, 1, base)  # two nodes of one rank each, each with its own disk
     mgr = CheckpointManager(
         root, keep=2, best_metric="loss", keep_best=1, storage="local", async_save=async_save
@@ -789,11 +796,13 @@ def _retention_fails_on_one_node_after_every_node_committed(rank, base, async_sa
     for step, loss in ((1, 0.9), (2, 0.8), (3, 0.7)):
         mgr.save(step, _state(step), metrics={"loss": loss})
     mgr.wait()
-    owner, name = (AtomicDir, "delete") if what_fails == "delete" else (StepDirs, "committed")
+    owner, name = _AFTER_THE_COMMIT[what_fails]
     works = getattr(owner, name)
-    if rank == 1:  # node 1 commits step 4, then cannot delete its oldest step, or list its steps (once)
+    if rank == 1:
 
-        def fails_once(self):
+        def fails_once(self_or_path):
+            if str(self_or_path).endswith(AtomicDir.PARTIAL):  # the fsync before the rename: not yet
+                return works(self_or_path)
             setattr(owner, name, works)
             raise OSError(errno.EIO, "Input/output error", "a step")
 
@@ -811,17 +820,16 @@ def _retention_fails_on_one_node_after_every_node_committed(rank, base, async_sa
     return {"failed": failed, "held": sorted(os.listdir(root))}
 
 
-@pytest.mark.parametrize("what_fails", ["delete", "listing"])
+@pytest.mark.parametrize("what_fails", list(_AFTER_THE_COMMIT))
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
-def test_a_retention_that_fails_on_one_node_after_every_node_committed_passes_no_step_over(
-    tmp_path, async_save, what_fails
-):
+def test_a_failure_on_one_node_after_every_node_committed_passes_no_step_over(tmp_path, async_save, what_fails):
     """Before: a writer passed step 4 over when the commit exchange failed on another node, though that node had
     committed it and only failed to delete an older step. The next save deleted step 4, the best one, on both nodes
     (sync), or on node 0 only (async: the nodes then held different steps). With one writer, step 4 stayed. The review
-    of the first fix found the same with a failure to list the steps, which the fix did not mark as after the commit."""
+    of the first fix found the same with a failure to list the steps, and the next review with an fsync of the parent
+    directory that fails after the rename which commits the step."""
     values = run_ranks(
-        _retention_fails_on_one_node_after_every_node_committed,
+        _fails_after_the_commit,
         2,
         args=(str(tmp_path), async_save, what_fails),
         timeout=120,

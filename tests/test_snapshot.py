@@ -261,11 +261,8 @@ def ctrl_c():  # a handler that raises: the lock is left free or held by this th
             with lock.write() if side == "write" else lock.read():
                 run["other"] = threading.Thread(target=other_side, args=(lock, run, side), daemon=True)
                 run["other"].start()
-                if side == "read":
-                    while run["other"].ident not in lock._writers_waiting:
-                        time.sleep(0.001)
-                else:
-                    time.sleep(0.02)  # the read queues behind this write
+                while not lock._cond._waiters:  # the other thread waits in the lock (a read behind this write)
+                    time.sleep(0.001)
 
         def after(where):
             nonlocal lock, mutex

@@ -437,8 +437,10 @@ class CheckpointManager:
             for name, obj in writer_files.items():
                 tx.save(obj, name)
             with naming_target(f"cannot commit step {tx.step}:", name_of(commit.final)):
-                commit.finalize(build_manifest(commit.tmp, tx.step, tx.entries, tx.metrics, tx.save_id))
-                tx.committed = True
+                try:
+                    commit.finalize(build_manifest(commit.tmp, tx.step, tx.entries, tx.metrics, tx.save_id))
+                finally:  # in, also when what follows the commit inside finalize() failed (the fsync after it)
+                    tx.committed = commit.committed
                 self._metrics.record(tx.step, tx.metrics)
                 self._passed_over.discard(tx.step)  # saved again, whole: it holds lower saves back again
             self._retain(newest=tx.step, confirmed=tx.copies == 1)

@@ -90,6 +90,7 @@ class DirCommit(Protocol):
 
     final: Place  # the committed directory
     tmp: Place  # where every rank writes the step's files before the commit
+    committed: bool  # whether finalize() made the step visible, also when it raised after that (a failed fsync)
 
     def create(self) -> None: ...
     def finalize(self, manifest: Mapping[str, Any]) -> None: ...
@@ -120,6 +121,7 @@ class AtomicDir:
         self.parent, self.name = os.path.split(self.final)
         self.tmp = os.path.join(self.parent, f".{self.name}{self.PARTIAL}")
         self._old = os.path.join(self.parent, f".{self.name}{self.OLD}")
+        self.committed = False
 
     def create(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -135,6 +137,7 @@ class AtomicDir:
             shutil.rmtree(self._old, ignore_errors=True)
             os.rename(self.final, self._old)
         os.rename(self.tmp, self.final)
+        self.committed = True
         fsync_dir(self.parent)
         if replaced:
             shutil.rmtree(self._old, ignore_errors=True)
@@ -167,6 +170,7 @@ class ObjectDir:
 
     def __init__(self, final: Remote):
         self.final = self.tmp = final
+        self.committed = False
 
     def create(self) -> None:
         self.delete()
@@ -174,6 +178,7 @@ class ObjectDir:
     def finalize(self, manifest: Mapping[str, Any]) -> None:
         with open_for_commit(self.final.child(MANIFEST)) as f:
             f.write(json.dumps(manifest, indent=1).encode())
+        self.committed = True
 
     def abort(self) -> None:
         self.final.remove()
