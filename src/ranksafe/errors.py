@@ -104,7 +104,7 @@ class Failure:
     path: str | None = None  # the file the error is about, when it says (CorruptCheckpoint.path, OSError.filename)
     errno: int | None = None  # OSError's code, so that `e.errno == errno.ENOSPC` works on every rank
     reason: str | None = None  # CorruptCheckpoint's and UntrustedCheckpoint's, without the path
-    committed_step: int | None = None  # a step this rank had committed when it failed (its retention failed after)
+    committed_step: int | None = None  # a step this rank had committed when it failed after (an fsync, retention)
 
     @classmethod
     def from_exception(cls, rank: int, exc: BaseException) -> Failure:
