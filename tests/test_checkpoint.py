@@ -24,8 +24,9 @@ import torch
 import ranksafe
 from ranksafe import cli, steps
 from ranksafe import exchange as protocol
-from ranksafe.checkpoint import AtomicDir, CheckpointManager, list_steps, verify_step
-from ranksafe.steps import StepDirs
+from ranksafe.checkpoint import CheckpointManager
+from ranksafe.commit import AtomicDir, verify_step
+from ranksafe.steps import StepDirs, list_steps
 from tests.ranks import run_ranks
 from tests.test_storage import as_node, node_disk
 
@@ -315,11 +316,11 @@ def _failure_elsewhere_while_verifying(rank, root):
         mgr.save(step, {"w": torch.full((2,), float(step))})
     if rank == 1:  # after listing the steps, this rank fails in a shared block of its own (a callback's, say)
 
-        def first_good(self, candidates, sharded):
+        def first_good(*args):
             with ranksafe.together("a callback elsewhere"):
                 raise FileNotFoundError(errno.ENOENT, "No such file (injected)", "/elsewhere/config.yaml")
 
-        CheckpointManager._first_good = first_good
+        ranksafe.checkpoint.first_good = first_good
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -328,7 +329,7 @@ def _failure_elsewhere_while_verifying(rank, root):
         except FileNotFoundError as e:
             error = (type(e).__name__, e.ranks, e.out_of_step, type(e.__cause__).__name__)
     said = [str(w.message) for w in caught if "falling back" in str(w.message)]
-    return {"error": error, "fell back": said, "passed over": sorted(mgr._passed_over), "loaded": mgr.loaded_step}
+    return {"error": error, "fell back": said, "passed over": sorted(mgr._kept.passed_over), "loaded": mgr.loaded_step}
 
 
 def test_another_ranks_failure_elsewhere_is_not_taken_for_damage_to_the_step_being_verified(tmp_path):
@@ -874,17 +875,17 @@ def test_a_full_disk_under_a_step_raises_its_oserror_naming_the_file_and_the_ran
 _CRASH_BETWEEN_RENAMES_CHILD = textwrap.dedent(
     """
     import os, sys, torch, ranksafe
-    from ranksafe import checkpoint
+    from ranksafe import commit
     mgr = ranksafe.CheckpointManager(sys.argv[1])
     mgr.save(2, {"w": torch.full((4,), 2.0)})
     rename = os.rename
 
     def crash_on_the_second(src, dst):  # the committed step is aside, the new one not yet in place
-        if src.endswith(checkpoint.AtomicDir.PARTIAL):
+        if src.endswith(commit.AtomicDir.PARTIAL):
             os._exit(9)
         rename(src, dst)
 
-    checkpoint.os.rename = crash_on_the_second
+    commit.os.rename = crash_on_the_second
     mgr.save(2, {"w": torch.full((4,), 3.0)})  # saved again: replaces the committed step 2
     """
 )

@@ -24,9 +24,10 @@ from torch.amp import GradScaler, autocast
 
 import ranksafe
 from ranksafe import exchange as protocol
-from ranksafe.checkpoint import list_steps, read_manifest
+from ranksafe.commit import read_manifest
 from ranksafe.fastai import RankSafe
 from ranksafe.fastai import steps as fastai_steps
+from ranksafe.steps import list_steps
 from tests.ranks import run_ranks
 from tests.test_fastai import Lin, params, tabular_dls
 

@@ -27,8 +27,8 @@ from fastai.tabular.all import Callback, Learner, MSELossFlat
 from fastai.torch_core import set_seed
 
 import ranksafe
-from ranksafe.checkpoint import list_steps
 from ranksafe.fastai import RankSafe, RankSafeLearner, load_learner
+from ranksafe.steps import list_steps
 from tests.ranks import run_ranks, signal_when_at_step
 from tests.test_fastai import Lin, params, tabular_dls
 

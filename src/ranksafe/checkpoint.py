@@ -8,110 +8,47 @@ Layout::
     root/.step_00000011.ranksafe-partial   a save in progress (or the debris of a crashed one)
 
 ``root`` may be a URL of remote storage (``s3://bucket/run``): there a step's files go straight under its
-prefix and the manifest, written last, commits it. :mod:`ranksafe.commit` holds both commit protocols.
-:class:`CheckpointManager` decides who runs which part of one: every rank knows the temporary and final places;
-the writer(s) chosen by :mod:`ranksafe.storage` create, commit and delete (remote storage is shared: rank 0
-writes); every rank may write side files between create and commit. A save costs three exchanges whatever the
-world size, and ranks that write nothing make no file-system call.
-
-With ``async_save=True`` the writer's local part of a save (write the files, the manifest, rename, apply
-retention) runs on an :class:`~ranksafe.AsyncSaver` thread: :meth:`CheckpointManager.save` returns once the
-state is snapshotted, and a background failure is raised on every rank by the next :meth:`~CheckpointManager.check`
-(or the next save, which checks first).
+prefix and the manifest, written last, commits it (:mod:`ranksafe.commit` holds both commit protocols).
+:class:`CheckpointManager` decides who runs which part: the writer(s) chosen by :mod:`ranksafe.storage` create,
+commit and delete; every rank may write side files between create and commit; ranks that write nothing make no
+file-system call. A save's exchanges and the writer's commit are in :mod:`ranksafe.step_save`; which step a load
+reads, in :mod:`ranksafe.step_agreement`; which steps stay, in :mod:`ranksafe.retention`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import os
-import secrets
 import signal
-import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from . import remote, topology
 from .async_save import AsyncSaver
 from .checkpoint_file import load_file
-from .collectives import checked_timeout, default_timeout, exchange_outcome, share_outcome, together
-from .commit import (
-    MANIFEST,
-    AtomicDir,
-    DirCommit,
-    Place,
-    StepWriter,
-    build_manifest,
-    check_file_name,
-    join,
-    name_of,
-    read_manifest,
-    step_commit,
-    verify_step,
-)
-from .errors import BarrierTimeout, CollectiveMismatch, RankFailure, naming_target
+from .collectives import checked_timeout, default_timeout, share_outcome, together
+from .commit import DirCommit, Place, StepWriter, join, name_of, step_commit
 from .files import local_path
 from .flatten import Flattened
 from .lock import StateDictLock
 from .remote import Remote
-from .retention import BestMode, Retention, StepMetrics
-from .saving import paths_apart
+from .retention import BestMode, KeptSteps, Retention
 from .schedule import SaveSchedule
-from .sharded import METADATA, dcp_files, for_dcp, refuse_sharded, require_shared
-from .step_agreement import committed_everywhere, verdict
-from .steps import StepDirs, StepInfo, check_step, list_steps
+from .sharded import METADATA, for_dcp, require_shared
+from .step_agreement import committed_everywhere, first_good, loadable
+from .step_save import STATE, agree_written, commit_step, copy_may_be_missing, open_step, passing_over_a_partial_commit
+from .steps import StepDirs
 from .storage import Placement, Storage, check_every_rank_sees, placement, probe_root
 
 if TYPE_CHECKING:
     from .shards import StepShards
 
-__all__ = [
-    "MANIFEST",
-    "STATE",
-    "AtomicDir",
-    "CheckpointManager",
-    "StepInfo",
-    "list_steps",
-    "read_manifest",
-    "verify_step",
-]
-
-STATE = "state.pt"
-
-
-def _copy_may_be_missing(e: BaseException, step: int) -> bool:
-    """Whether a failure around the commit of ``step`` leaves another writer's copy of it in doubt: another rank
-    failed (or never came), and not after committing ``step`` (a retention that failed after the commit)."""
-    failures = getattr(e, "failures", None)
-    if failures is None:  # no rank named: assume the worst
-        return True
-    return any(f.rank != topology.rank() and f.committed_step != step for f in failures)
+__all__ = ["STATE", "CheckpointManager"]
 
 
 def _shard(rank: int) -> str:
     return f"shard-{rank:05d}.pt"
-
-
-def _nbytes(state: Any) -> int:
-    """The bytes of the tensors in ``state``: about what a checkpoint of it takes on disk."""
-    return sum(t.nbytes for t in Flattened(state).sources)
-
-
-def _clashes(posted: list[tuple[frozenset[int] | None, dict[str, Any], tuple[str, ...]]]) -> list[str]:
-    """The files of one step directory that two ranks wrote, or that a rank wrote under a name the writers write
-    after the block, described; ``posted``: each rank's group (the nodes sharing its directory), files, and the
-    names of the writer files it passed (any rank's count, so that every rank finds the same clashes)."""
-    writer_files = {name for _, _, names in posted for name in names}
-    wrote: dict[tuple[frozenset[int] | None, str], list[int]] = {}
-    clashes = []
-    for rank, (group, entries, _) in enumerate(posted):
-        for name in entries:
-            if name in writer_files:
-                clashes.append(f"rank {rank} wrote {name}, which the writer writes")
-            wrote.setdefault((group, name), []).append(rank)
-    both = [f"ranks {', '.join(map(str, ranks))} wrote {name}" for (_, name), ranks in wrote.items() if len(ranks) > 1]
-    return clashes + both
 
 
 class CheckpointManager:
@@ -168,13 +105,9 @@ class CheckpointManager:
         self.storage_options = storage_options
         self.storage, self.prefix, self.timeout = storage, prefix, checked_timeout(timeout)
         self.loaded_step: int | None = None  # the step the last load() returned (after any fallback)
-        # steps that hold no lower save back, nor count for retention: a load fell back over them, or they are
-        # committed on this writer's node and missing on another (a commit that failed there)
-        self._passed_over: set[int] = set()
-        self._loading: set[int] = set()
         self._handed: StepWriter | None = None  # the step this writer last handed to the background saver
         self._dirs = StepDirs(self._base, prefix)
-        self._metrics = StepMetrics(self._dirs.place)  # the writer's: what ranks the steps for retention
+        self._kept = KeptSteps(self._dirs, self.retention)  # which steps count, and retention after each commit
         # writer="all": this manager, not the saver, decides who writes (the storage placement)
         self._saver = AsyncSaver(lock, writer="all", name="checkpoint") if async_save else None
         self.schedule.install()
@@ -243,8 +176,9 @@ class CheckpointManager:
         with together(f"checkpoint {self.root}: warmup", self.timeout):
             if self._saver is not None and example_state is not None and (where.writer or shards is not None):
                 self._saver.stage(example_state if shards is None else shards)  # after the write in flight
-            if where.writer:  # room for the writer's files; each rank's shards are not counted
-                needs = 0 if example_state is None or shards is not None else _nbytes(example_state)
+            if where.writer:  # room for the writer's files (about their tensors' bytes); each rank's shards not counted
+                whole = example_state is not None and shards is None
+                needs = sum(t.nbytes for t in Flattened(example_state).sources) if whole else 0
                 probe = probe_root(self._base, needs)
         if isinstance(self._base, Remote):
             check_every_rank_sees(self._base, probe, self.timeout)
@@ -286,7 +220,12 @@ class CheckpointManager:
         """
         writer_files = dict(writer_files or {})
         where = self.placement
-        commit, metrics = self._open(step, where, writer_files, metrics, sharded=shards is not None)
+        if self._saver is not None:
+            if where.writer or shards is not None:  # sharded: every rank writes, so every rank waits
+                self._saver.wait()  # the temporaries of a crashed save are removed next: the commit in flight first
+            self.check()  # a failed background commit stops every rank here, not a step later
+        commit = step_commit(self._dirs.place(step))
+        metrics = open_step(commit, step, self._kept, where, writer_files, metrics, shards is not None, self.timeout)
         tx = StepWriter(commit, step)
         part = None if shards is None else self._shards(shards, commit, tx, where.writer)  # every rank
         exc: BaseException | None = None
@@ -296,7 +235,8 @@ class CheckpointManager:
                 part.after_block(writer_files)
         except BaseException as e:
             exc = e
-        self._written(tx, where, commit, part, metrics, writer_files, exc)
+        agree_written(tx, commit, where, part, metrics, writer_files, exc, self.timeout)
+        self.schedule.saved()
         if part is not None:
             part.agreed()  # every rank writes its part now, or in the background (then the writer commits there)
         if self._saver is None:
@@ -305,8 +245,8 @@ class CheckpointManager:
                     if where.writer:
                         self._commit(commit, tx, writer_files)
             except BaseException as e:
-                if tx.committed and tx.copies > 1 and _copy_may_be_missing(e, step):  # other nodes may lack it
-                    self._passed_over.add(step)
+                if tx.committed and tx.copies > 1 and copy_may_be_missing(e, step):  # other nodes may lack it
+                    self._kept.passed_over.add(step)
                 raise
         elif where.writer and part is None:  # the snapshot of writer_files is taken now; check() reports a failure
             self._submit(commit, tx, writer_files)
@@ -319,138 +259,9 @@ class CheckpointManager:
         if not self._saver.submit(writer_files, functools.partial(self._commit, commit, tx), what=what):  # type: ignore[union-attr]
             commit.abort()  # the saver waits for a write in flight, never skips: False means the snapshot failed
 
-    def _open(
-        self, step: int, where: Placement, writer_files: Mapping[str, Any], metrics: Mapping | None, sharded: bool
-    ) -> tuple[DirCommit, dict[str, float]]:
-        """The first exchange of a save: every rank checks its inputs while the writer(s) create the step's temporary
-        directory; a failure anywhere raises on every rank. Returns the step's commit and the metrics as floats.
-
-        Its name says whether this rank's state holds DTensors: ranks that disagree (a DTensor on some ranks only)
-        would go on to different protocols and wait for each other; they raise CollectiveMismatch here instead."""
-        if self._saver is not None:
-            if where.writer or sharded:  # sharded: every rank writes, so every rank waits
-                self._saver.wait()  # create() removes temporaries: the commit in flight must be done first
-            self.check()  # a failed background commit stops every rank here, not a step later
-        commit = step_commit(self._dirs.place(step))
-        state_kind = "a state with DTensors" if sharded else "no DTensors"
-        created = False
-        try:
-            # each rank's root travels along: a rank whose writer writes under another root would never find its steps
-            with together(
-                f"checkpoint {step}: create, {state_kind}", self.timeout, f"checkpoint {step}: create",
-                value=(where.group, (self.root,)), reduce=paths_apart,
-            ) as outcome:  # fmt: skip
-                if sharded:
-                    require_shared(where, self.root)  # the placement is agreed: every rank with DTensors raises alike
-                for name in writer_files:  # every rank: the names may differ where only the writers' count
-                    check_file_name(name)
-                refuse_sharded(writer_files, f"checkpoint {step}")  # every rank: the writers write theirs whole
-                floats = {k: float(v) for k, v in (metrics or {}).items()}  # a bad value on any rank fails every rank
-                if where.writer:
-                    self._create(commit, step)
-                    created = True
-        except BaseException:
-            if created:  # another rank failed: no save will use the temporary place (and `ls` would list it)
-                commit.abort()
-            raise
-        if apart := outcome.result:
-            if created:
-                commit.abort()
-            raise ValueError(f"checkpoint {step}: the ranks sharing a writer have different roots ({'; '.join(apart)})")
-        return commit, floats
-
-    def _create(self, commit: DirCommit, step: int) -> None:
-        """The writer's part of a save's first exchange: clear what crashed saves left, refuse a step the root's newest
-        step would shadow, or one whose committed copy a failed save would lose, then create the temporary place."""
-        left = self._dirs.clean_debris()
-        if (newest := self._dirs.newest(left - self._passed_over)) is not None and step < newest:
-            raise ValueError(
-                f"checkpoint {step}: {self.root} holds step {newest} already: latest() and a resume would take "
-                f"step {newest}, and retention would delete step {step} first. Save a new run under a new "
-                "root, or remove the newer steps"
-            )
-        if step == newest and isinstance(self._dirs.base, Remote):  # no rename: it would go before the new one
-            raise ValueError(
-                f"checkpoint {step}: step {step} is committed under {self.root} already, and remote storage "
-                "cannot replace it in one move: a failed save would lose it. Save it under a new step number"
-            )
-        commit.create()
-
-    def _written(
-        self,
-        tx: StepWriter,
-        where: Placement,
-        commit: DirCommit,
-        part: StepShards | None,
-        metrics: dict[str, float],
-        writer_files: Mapping[str, Any],
-        exc: BaseException | None,
-    ) -> None:
-        """The second exchange: every rank says what it wrote (or how it failed); the writer(s) learn every file of
-        their group for the manifest, and every rank rank 0's metrics and a token naming this save (every node's copy
-        of the step records it). A failure anywhere, or two ranks that wrote one file of one directory, aborts the step
-        on every rank."""
-        step = tx.step
-        try:
-            posted = exchange_outcome(
-                f"checkpoint {step}: written",
-                (where.group, tx.entries, tuple(writer_files), metrics, secrets.token_hex(8)), exc, list,
-                self.timeout, what=f"checkpoint {step}: write",
-            )  # fmt: skip
-            if clashes := _clashes([post[:3] for post in posted]):
-                raise ValueError(
-                    f"checkpoint {step}: {'; '.join(clashes)}: one would replace the other in the step directory; "
-                    "give each rank's side files a name of their own (f'rng_{rank}.pt')"
-                )
-            every_name = {name for _, entries, names, *_ in posted for name in (*entries, *names)}
-            if part is not None and (taken := dcp_files(every_name)):  # sharded: DCP writes its own after the block
-                raise ValueError(
-                    f"checkpoint {step}: {', '.join(taken)}: torch.distributed.checkpoint writes files of these names "
-                    "in a step of sharded state, and would replace them; name them otherwise"
-                )
-            if part is not None and STATE in every_name:
-                raise ValueError(
-                    f"checkpoint {step}: a file named {STATE} beside sharded state: a load without into= would take "
-                    "it for the state; name it otherwise"
-                )
-        except BaseException:
-            if part is not None:
-                part.given_up()
-            if where.writer:
-                commit.abort()
-            raise
-        for group, entries, *_ in posted:
-            if group == where.group:
-                tx.entries.update(entries)
-        tx.metrics, tx.save_id = posted[0][3:]  # rank 0's, on every node
-        tx.copies = len({group for group, *_ in posted})
-        self.schedule.saved()
-
     def _commit(self, commit: DirCommit, tx: StepWriter, writer_files: Mapping[str, Any]) -> str:
-        """Writer-local, no collectives: write ``writer_files``, commit the step, then apply retention
-        (:meth:`_retain`, only once the step is committed); return its directory.
-
-        Everything a background saver has to run for a step, once the directory is open and every rank's
-        side files are in.
-        """
-        try:
-            for name, obj in writer_files.items():
-                tx.save(obj, name)
-            with naming_target(f"cannot commit step {tx.step}:", name_of(commit.final)):
-                try:
-                    commit.finalize(build_manifest(commit.tmp, tx.step, tx.entries, tx.metrics, tx.save_id))
-                finally:  # in, also when what follows the commit inside finalize() failed (the fsync after it)
-                    tx.committed = commit.committed
-                self._metrics.record(tx.step, tx.metrics)
-                self._passed_over.discard(tx.step)  # saved again, whole: it holds lower saves back again
-            self._retain(newest=tx.step, confirmed=tx.copies == 1)
-        except BaseException as e:
-            if tx.committed:  # this copy is in: the other writers need not pass the step over (Failure)
-                e.committed_step = tx.step  # type: ignore[attr-defined]
-            else:
-                commit.abort()
-            raise
-        return name_of(commit.final)
+        """The writer's part of a save, for this manager's steps (:func:`~ranksafe.step_save.commit_step`)."""
+        return commit_step(commit, tx, writer_files, self._kept)
 
     def _shards(self, shards: dict[str, Any], commit: DirCommit, tx: StepWriter, writer: bool) -> StepShards:
         """The sharded part of step ``tx.step`` (:class:`~ranksafe.shards.StepShards`); with ``async_save`` the
@@ -501,34 +312,6 @@ class CheckpointManager:
                 tx.save(state, _shard(topology.rank()))
         return self.step_dir(step)
 
-    def _retain(self, newest: int, confirmed: bool) -> None:
-        """Delete what :attr:`retention` no longer keeps, now that ``newest`` is committed (writers only). When a
-        step's metric cannot be read now, nothing is deleted until a later save can rank the steps: deleting on a
-        guess could take the best step. Steps passed over (damaged, or on this node only) are not ranked: with a
-        ``keep``, those below ``newest`` are deleted, as no load will take them.
-
-        ``confirmed``: ``newest`` is known to be committed wherever it is read (one writer). With a writer per node,
-        another node's commit of it may still fail: it is kept without being ranked until the next save, so that
-        the steps every node holds are never fewer than ``keep`` (a load falls back to the older ones)."""
-        metric = functools.partial(self._metrics.value, name=self.retention.best_metric)
-        committed = self._dirs.committed()
-        ranked = [s for s in committed if s not in self._passed_over and (confirmed or s != newest)]
-        try:
-            doomed = self.retention.doomed(ranked, newest, self._loading, metric)
-        except OSError as e:
-            warnings.warn(f"{remote.where(self.root)}: retention waits for a later save: {e}", stacklevel=2)
-            return
-        if self.retention.keep is not None:
-            doomed += [s for s in committed if s in self._passed_over and s < newest and s not in self._loading]
-        for step in doomed:
-            try:
-                step_commit(self._dirs.place(step)).delete()  # no longer committed before its files go
-            except OSError as e:  # raised on every rank: say that the step being saved is safe
-                e.add_note(f"step {newest} is committed; retention could not delete step {step} after it")
-                raise
-            self._metrics.forget(step)
-            self._passed_over.discard(step)
-
     # -- loading --------------------------------------------------------------------------------------
 
     def _common(self) -> list[int]:
@@ -537,7 +320,7 @@ class CheckpointManager:
         if writer:
             self.wait()  # the step in flight, and the retention after it, are done before listing
         listed = committed_everywhere(self._dirs, writer, self.root, self.timeout)
-        self._passed_over |= listed.here_only  # training resumes below them: on this node, they must not stop it
+        self._kept.passed_over |= listed.here_only  # training resumes below them: on this node, they must not stop it
         return listed.everywhere
 
     def latest(self) -> int | None:
@@ -570,12 +353,11 @@ class CheckpointManager:
         """
         if into is not None and not isinstance(into, Mapping):
             raise TypeError(f"into must be a dict of state to load into, not {type(into).__name__}")
-        candidates = self._candidates(step, fallback)
+        candidates = loadable(self._common(), step, fallback, self.root)
         if into is not None:
             require_shared(self.placement, self.root)
-        self._loading.update(candidates)  # retention must not delete what is being read
-        try:
-            s = self._first_good(candidates, sharded=into is not None)
+        with self._kept.reading(candidates):  # retention must not delete what is being read
+            s = first_good(self._dirs, candidates, self.placement.writer, into is not None, self.timeout, self._kept)
             if into is not None:  # sharded: every rank reads its part in place (a failure is shared by DCP)
                 from .shards import read_shards  # DCP, imported where a step holds sharded state
 
@@ -583,8 +365,6 @@ class CheckpointManager:
             else:
                 with together(f"checkpoint {s}: load", self.timeout):
                     result = self._read_file(s, map_location, weights_only, sharded)
-        finally:
-            self._loading.difference_update(candidates)
         self.loaded_step = s
         return result
 
@@ -598,34 +378,6 @@ class CheckpointManager:
             if not per_rank and remote.exists(name_of(join(place, METADATA)), self.storage_options):
                 raise ValueError(f"{name_of(place)} holds sharded state: load it with into=") from None
             raise
-
-    def _candidates(self, step: int | None, fallback: bool) -> list[int]:
-        """The steps :meth:`load` may read, in the order it tries them: ``step``, or the newest common one (and,
-        with ``fallback``, every older one). ``FileNotFoundError`` on every rank when there is none."""
-        common = self._common()
-        if step is not None:
-            if check_step(step) not in common:
-                raise FileNotFoundError(f"step {step} is not committed on every node under {self.root}")
-            return [step]
-        if not common:
-            raise FileNotFoundError(f"no committed checkpoint under {self.root}")
-        return common if fallback else common[:1]
-
-    def _first_good(self, candidates: list[int], sharded: bool) -> int:
-        """The first of ``candidates`` whose files every node verified (:func:`~ranksafe.step_agreement.verdict`). A
-        corrupt one is skipped with a warning while another is left, else its error is raised on every rank."""
-
-        def bad(s: int) -> Exception | None:
-            return verdict(self._dirs.place(s), s, self.placement.writer, sharded, self.timeout)
-
-        for s, older in itertools.pairwise(candidates):
-            if (error := bad(s)) is None:
-                return s
-            warnings.warn(f"{error}; falling back to step {older}", RuntimeWarning, stacklevel=3)
-            self._passed_over.add(s)
-        if (error := bad(candidates[-1])) is not None:
-            raise error
-        return candidates[-1]
 
     # -- background saves ------------------------------------------------------------------------------
 
@@ -646,7 +398,7 @@ class CheckpointManager:
         call (:meth:`~ranksafe.AsyncSaver.poll`). Every rank, once per step; one store read while no rank has a
         failure, and none without ``async_save``."""
         if self._saver is not None:
-            with self._passing_over_a_partial_commit():
+            with passing_over_a_partial_commit(self._handed, self._kept, self._saver):
                 self._saver.poll()
 
     def check(self) -> None:
@@ -657,28 +409,10 @@ class CheckpointManager:
         single process the original error is raised unchanged.
         """
         if self._saver is not None:
-            with self._passing_over_a_partial_commit():
+            with passing_over_a_partial_commit(self._handed, self._kept, self._saver):
                 self._saver.check()
         else:
             share_outcome("checkpoint: check", None, self.timeout)
-
-    @contextlib.contextmanager
-    def _passing_over_a_partial_commit(self) -> Iterator[None]:
-        """Around a report of background failures: with a writer per node, one may be another writer's copy of the
-        step this writer committed last. That step is then passed over here, as after a synchronous commit that
-        failed elsewhere (:meth:`saving`). Not for a timeout, a mismatch or a failure out of step, which say nothing
-        about a commit, nor for this rank's own failure alone, nor for another writer's that came after its copy was
-        committed (its retention failed)."""
-        try:
-            yield
-        except RankFailure as e:
-            tx = self._handed
-            about_a_commit = not (isinstance(e, (BarrierTimeout, CollectiveMismatch)) or e.out_of_step)
-            if tx is not None and tx.copies > 1 and about_a_commit and _copy_may_be_missing(e, tx.step):
-                self._saver.wait()  # type: ignore[union-attr]  # its commit may still be running
-                if tx.committed:
-                    self._passed_over.add(tx.step)
-            raise
 
     def close(self) -> None:
         """Wait for the commit in flight, then :meth:`check`; collective. Call it at the end of training.
@@ -694,7 +428,7 @@ class CheckpointManager:
         """
         try:
             if self._saver is not None:
-                with self._passing_over_a_partial_commit():
+                with passing_over_a_partial_commit(self._handed, self._kept, self._saver):
                     self._saver.close()
             else:
                 share_outcome("checkpoint: close", None, self.timeout)

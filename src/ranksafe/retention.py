@@ -1,20 +1,26 @@
 """Which committed steps a :class:`~ranksafe.CheckpointManager` keeps: the newest few, every ``keep_period``-th,
 and the best few by a metric. The writer applies it after each commit, never before: a step is deleted only once a
 newer one is committed, and never the newest, one being loaded, or one a rule keeps. :class:`StepMetrics` holds the
-values that rank the steps for ``best_metric``.
+values that rank the steps for ``best_metric``; :class:`KeptSteps`, what else a writer knows of its steps (which
+count, which are being read), and applies the rules.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
-from collections.abc import Callable, Iterable
+import warnings
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from . import remote
 from .choice import Choice
-from .commit import read_manifest
+from .commit import name_of, read_manifest, step_commit
 from .errors import CorruptCheckpoint
 from .options import positive_int
+from .steps import StepDirs
 
 
 class BestMode(Choice):
@@ -106,3 +112,63 @@ class StepMetrics:
             self._by_step[step] = metrics if isinstance(metrics, dict) else {}
         value = self._by_step[step].get(name)  # type: ignore[arg-type]
         return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+class KeptSteps:
+    """What a rank knows of its root's committed steps besides their directories (:class:`~ranksafe.steps.StepDirs`),
+    and the deletions :class:`Retention` makes after each commit (writers only). No collectives.
+
+    * :attr:`passed_over`: steps that hold no lower save back and are not ranked for retention: a load fell back over
+      them, or they are committed on this writer's node and missing on another (a commit that failed there). With a
+      ``keep``, those below the newest step are deleted, as no load will take them.
+    * steps being read (:meth:`reading`): never deleted meanwhile.
+    * their metrics (:class:`StepMetrics`), recorded at each commit (:meth:`record_commit`).
+    """
+
+    def __init__(self, dirs: StepDirs, rules: Retention) -> None:
+        self.dirs, self.rules = dirs, rules
+        self.passed_over: set[int] = set()
+        self._reading: set[int] = set()
+        self._metrics = StepMetrics(dirs.place)
+
+    @contextlib.contextmanager
+    def reading(self, steps: Iterable[int]) -> Iterator[None]:
+        """Retention deletes none of ``steps`` inside the block (a load reads them)."""
+        steps = set(steps) - self._reading
+        self._reading |= steps
+        try:
+            yield
+        finally:
+            self._reading -= steps
+
+    def record_commit(self, step: int, metrics: dict[str, float]) -> None:
+        """``step`` is committed, whole, with ``metrics``: it holds lower saves back again, and ranks by them."""
+        self._metrics.record(step, metrics)
+        self.passed_over.discard(step)
+
+    def retain(self, newest: int, confirmed: bool) -> None:
+        """Delete what the rules no longer keep, now that ``newest`` is committed. When a step's metric cannot be read
+        now, nothing is deleted until a later save can rank the steps: deleting on a guess could take the best step.
+
+        ``confirmed``: ``newest`` is known to be committed wherever it is read (one writer). With a writer per node,
+        another node's commit of it may still fail: it is kept without being ranked until the next save, so that
+        the steps every node holds are never fewer than ``keep`` (a load falls back to the older ones)."""
+        metric = functools.partial(self._metrics.value, name=self.rules.best_metric)
+        committed = self.dirs.committed()
+        ranked = [s for s in committed if s not in self.passed_over and (confirmed or s != newest)]
+        try:
+            doomed = self.rules.doomed(ranked, newest, self._reading, metric)
+        except OSError as e:
+            root = remote.where(name_of(self.dirs.base))
+            warnings.warn(f"{root}: retention waits for a later save: {e}", stacklevel=2)
+            return
+        if self.rules.keep is not None:
+            doomed += [s for s in committed if s in self.passed_over and s < newest and s not in self._reading]
+        for step in doomed:
+            try:
+                step_commit(self.dirs.place(step)).delete()  # no longer committed before its files go
+            except OSError as e:  # raised on every rank: say that the step being saved is safe
+                e.add_note(f"step {newest} is committed; retention could not delete step {step} after it")
+                raise
+            self._metrics.forget(step)
+            self.passed_over.discard(step)

@@ -1,19 +1,26 @@
 """What every rank agrees on about a root's steps before a load: which steps every writer's copy has committed, and
 whether a step verifies. Each is one exchange, and what a writer met there (a root it cannot list, a damaged file)
-is raised on every rank, or returned to every rank alike.
+is raised on every rank, or returned to every rank alike. :func:`loadable` and :func:`first_good` pick, from these
+answers, the step a load reads.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .collectives import exchange_outcome
 from .commit import Place, name_of, verify_step
 from .errors import CorruptCheckpoint, error_naming_target
 from .sharded import verify_shares
-from .steps import StepDirs
+from .steps import StepDirs, check_step
+
+if TYPE_CHECKING:
+    from .retention import KeptSteps
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,36 @@ def _newest_common(listed: list[list[int] | None]) -> list[int]:
     """The steps every writer listed (non-writers list ``None``), newest first."""
     sets = [set(steps) for steps in listed if steps is not None]
     return sorted(set.intersection(*sets), reverse=True) if sets else []
+
+
+def loadable(committed: list[int], step: int | None, fallback: bool, root: str) -> list[int]:
+    """The steps a load may read, in the order it tries them: ``step``, or the newest of ``committed`` (the steps
+    committed everywhere, newest first) and, with ``fallback``, every older one. ``FileNotFoundError`` when there is
+    none; the same on every rank, as ``committed`` is."""
+    if step is not None:
+        if check_step(step) not in committed:
+            raise FileNotFoundError(f"step {step} is not committed on every node under {root}")
+        return [step]
+    if not committed:
+        raise FileNotFoundError(f"no committed checkpoint under {root}")
+    return committed if fallback else committed[:1]
+
+
+def first_good(
+    dirs: StepDirs, candidates: list[int], writer: bool, sharded: bool, timeout: float | None, kept: KeptSteps
+) -> int:
+    """The first of ``candidates`` whose files every node verified (:func:`verdict`). A corrupt one is skipped with a
+    warning while another is left, and passed over in ``kept`` (it holds no lower save back); the last one's error is
+    raised on every rank. Collective: one exchange per step tried."""
+    for s, older in itertools.pairwise(candidates):
+        if (error := verdict(dirs.place(s), s, writer, sharded, timeout)) is None:
+            return s
+        warnings.warn(f"{error}; falling back to step {older}", RuntimeWarning, stacklevel=3)
+        kept.passed_over.add(s)
+    last = candidates[-1]
+    if (error := verdict(dirs.place(last), last, writer, sharded, timeout)) is not None:
+        raise error
+    return last
 
 
 def verdict(
