@@ -268,6 +268,28 @@ def test_monitor_agreement_on_real_ranks():
         assert values[1][4] == []  # warnings on rank 0 only
 
 
+def _agree_all(rank, op):
+    read = {
+        "acc": torch.tensor([0.5, 0.7][rank]),  # per rank
+        "epoch": torch.tensor(3, dtype=torch.int32),  # the same everywhere: kept as it is, dtype too
+        "histogram": torch.tensor([1.0, 2.0]) * (rank + 1),  # not one number: left as each rank has it
+        "flag": [True, False][rank],  # a bool is not a metric value
+        **({"score": 10.0} if rank == 0 else {"debug": torch.tensor(1.0)}),  # on one rank only
+    }
+    agreed = MonitorAgreement(op).agree_all(read, reader="ModelCheckpoint")
+    return {name: value.tolist() if isinstance(value, torch.Tensor) else value for name, value in agreed.items()}
+
+
+def test_every_metric_a_checkpoint_reads_is_agreed_in_one_exchange():
+    for op, expected in (("mean", {"acc": 0.6, "score": 10.0, "debug": 1.0}), ("main", {"acc": 0.5, "score": 10.0})):
+        ranks = run_ranks(_agree_all, 2, args=(op,)).values
+        for rank, agreed in enumerate(ranks):
+            assert set(agreed) == {"epoch", "histogram", "flag", *expected}, (op, rank, agreed)  # main: rank 0's
+            assert {name: agreed[name] for name in expected} == pytest.approx(expected), (op, rank)
+            assert agreed["epoch"] == 3 and agreed["histogram"] == [1.0 + rank, 2.0 + 2 * rank]
+            assert agreed["flag"] is [True, False][rank]
+
+
 @pytest.mark.parametrize(
     "kwargs, said",
     [

@@ -31,6 +31,7 @@ WRAPPED = [  # (class, method, the parameters RankSafe's replacement takes)
     (ModelCheckpoint, "on_train_epoch_end", ["self", "trainer", "pl_module"]),
     (ModelCheckpoint, "on_train_batch_end", ["self", "trainer", "pl_module", "outputs", "batch", "batch_idx"]),
     (ModelCheckpoint, "on_validation_end", ["self", "trainer", "pl_module"]),
+    (EarlyStopping, compat.CONDITION_METRIC, ["self", "logs"]),
     (EarlyStopping, compat.STOPPING_CRITERIA, ["self", "current"]),
     (EarlyStopping, "on_train_epoch_end", ["self", "trainer", "pl_module"]),
     (EarlyStopping, "on_train_batch_end", ["self", "trainer", "pl_module", "outputs", "batch", "batch_idx"]),

@@ -175,7 +175,8 @@ def test_sigkill_mid_save_keeps_previous_checkpoint_then_resume_from_last(tmp_pa
             assert result["pickled"][name] == "ok", (name, result["pickled"][name])
         # nothing of RankSafe's is left on the strategy, the connector or the callbacks after fit
         wrapped = {"save_checkpoint", "remove_checkpoint", "load_checkpoint", "resume_start", "_link_checkpoint"}
-        wrapped |= {"_monitor_candidates", "_evaluate_stopping_criteria", "on_train_epoch_end", "file_exists"}
+        wrapped |= {"_monitor_candidates", "_validate_condition_metric", "_evaluate_stopping_criteria"}
+        wrapped |= {"on_train_epoch_end", "file_exists"}
         assert not wrapped & {name for names in result["attributes"].values() for name in names}
     # agreed metric: identical best path, top-k and EarlyStopping state on both ranks, and the files exist
     assert (r0["best_model_path"], r0["best_k"], r0["es_best"]) == (r1["best_model_path"], r1["best_k"], r1["es_best"])
@@ -187,3 +188,34 @@ def test_sigkill_mid_save_keeps_previous_checkpoint_then_resume_from_last(tmp_pa
         assert ranksafe.verify_file(resumed.ckpt_dir / name) is True
     manual = tmp_path / "manual.ckpt"  # trainer.save_checkpoint from user code, on every rank
     assert ranksafe.verify_file(manual) is True and torch.load(manual, weights_only=True)["global_step"] == 8
+
+
+METRICS_SCRIPT = Path(__file__).parent / "lightning_scripts" / "metrics_run.py"
+
+
+def test_metrics_logged_apart_stop_every_rank_alike_and_name_one_file(tmp_path):
+    """EarlyStopping(strict=False) watches a metric logged on rank 0 alone, and ModelCheckpoint's file name holds a
+    metric each rank logged its own value of. Before: rank 1, without the metric, skipped the stop decision that rank 0
+    reduced; rank 0 waited there until ranksafe's timeout, then both failed (rank 1 with gloo's "Connection closed by
+    peer"), and rank 1's best_model_path named a file of its own that no rank wrote. Stock Lightning (the control)
+    fails the same way at its process group's timeout."""
+    stock = start(tmp_path / "stock", "--stock", script=METRICS_SCRIPT)
+    ours = finish(start(tmp_path / "ours", script=METRICS_SCRIPT, ranksafe_timeout=25))
+    assert not ours.hung and ours.proc.returncode == 0, ours.output[-4000:]
+    r0, r1 = ours.rank(0), ours.rank(1)
+    for result in (r0, r1):
+        assert result["error"] is None, result
+        assert (result["stopped_epoch"], result["es_best"], result["wait"]) == (1, 10.0, 1)  # score fell at epoch 1
+        assert [Path(p).name for p in result["best_k"]] == ["epoch=0-acc=0.55.ckpt", "epoch=1-acc=0.55.ckpt"]
+        assert Path(result["best_model_path"]).name == "epoch=1-acc=0.55.ckpt"  # the mean of 0.5 and 0.6
+    assert sorted(p.name for p in (ours.out / "ckpts").iterdir()) == ["epoch=0-acc=0.55.ckpt", "epoch=1-acc=0.55.ckpt"]
+    assert "score" in r0["metrics"] and "score" not in r1["metrics"]  # the agreed value did not stay on rank 1
+    assert "monitored metric 'score' was not logged on every rank" in ours.output
+    assert "monitored metric 'acc' differs across ranks" in ours.output
+
+    stock = finish(stock)
+    s0, s1 = stock.rank(0), stock.rank(1)
+    assert s0["error"] and s1["error"], (s0, s1)  # rank 0 waited in the reduction rank 1 skipped
+    assert abs(s0["t"] - s1["t"]) < 10 and "Timed out" in s0["error"] + s1["error"]
+    assert Path(s1["best_model_path"]).name == "epoch=0-acc=0.60.ckpt"  # rank 1's own name: no rank wrote it
+    assert not (stock.out / "ckpts" / "epoch=0-acc=0.60.ckpt").exists()

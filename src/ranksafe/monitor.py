@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -43,6 +44,13 @@ def _number(value: Any) -> float | None:
     return None
 
 
+def _scalar(value: Any) -> float | None:
+    """``value`` as a number where it is one (a bool is not), or a tensor of one element; else None."""
+    if isinstance(value, torch.Tensor):
+        return _number(value) if value.numel() == 1 else None
+    return None if isinstance(value, bool) else _number(value)
+
+
 def _same(values: list[float]) -> bool:
     first = values[0]
     return all(v == first or (math.isnan(v) and math.isnan(first)) for v in values)
@@ -72,23 +80,44 @@ class MonitorAgreement:
         others (and a warning), instead of skipping a collective the others enter. ``timeout``: how long to wait for
         the other ranks (None: the default, ``RANKSAFE_TIMEOUT``).
         """
-        mine = _number(value)
-        gathered = all_gather(mine, name=f"monitor {name}", timeout=timeout)
+        gathered = all_gather(_number(value), name=f"monitor {name}", timeout=timeout)
+        if self.op is MonitorOp.MAIN and gathered[0] is None and any(v is not None for v in gathered):
+            raise ValueError(f"monitored metric {name!r} was not logged on rank 0; it cannot be agreed with op='main'")
+        return self._settle(name, gathered, value)
+
+    def agree_all(self, values: Mapping[str, Any], timeout: float | None = None, reader: str = "metrics") -> dict:
+        """``values`` (what a callback read of the logged metrics, name -> value) with every number and one-element
+        tensor agreed as :meth:`agree` agrees one, in one exchange whatever their count: the monitored metric decides
+        alike on every rank, the others name one file. A metric that another rank logged and this one did not is
+        added; with ``op="main"``, one that rank 0 did not log is left out on every rank. Any other value stays as it
+        is. ``reader`` names the reading callback in the exchange, so that ranks at different reads mismatch."""
+        mine = {name: number for name, value in values.items() if (number := _scalar(value)) is not None}
+        gathered = all_gather(mine, name=f"monitor: {reader}", timeout=timeout)
+        agreed = dict(values)
+        for name in sorted(set().union(*gathered)):
+            per_rank = [numbers.get(name) for numbers in gathered]
+            if self.op is MonitorOp.MAIN and per_rank[0] is None:
+                agreed.pop(name, None)
+            else:
+                agreed[name] = self._settle(name, per_rank, values.get(name))
+        return agreed
+
+    def _settle(self, name: str, gathered: list[float | None], value: Any) -> Any:
+        """The value every rank takes of ``name``, from every rank's number (None: not logged there), warning once per
+        name where they differ or some rank logged none; ``value``, this rank's, when no rank logged one."""
         present = [v for v in gathered if v is not None]
         if not present:
             return value
-        if self.op is MonitorOp.MAIN and gathered[0] is None:
-            raise ValueError(f"monitored metric {name!r} was not logged on rank 0; it cannot be agreed with op='main'")
         missing = len(present) < len(gathered)
         if (missing or not _same(present)) and name not in self._warned:
             self._warned.add(name)
             if topology.is_main():
                 detail = "was not logged on every rank" if missing else f"differs across ranks ({_show(gathered)})"
                 warnings.warn(
-                    f"monitored metric {name!r} {detail}: log it with self.log(..., sync_dist=True). "
-                    f"ranksafe gives every rank the {self.op} value so that checkpoint and stopping decisions agree.",
+                    f"monitored metric {name!r} {detail}: log it with self.log(..., sync_dist=True). ranksafe gives "
+                    f"every rank the {self.op} value so that checkpoint and stopping decisions agree.",
                     UnsyncedMetricWarning,
-                    stacklevel=2,
+                    stacklevel=3,
                 )
         agreed = _reduce(gathered if self.op is MonitorOp.MAIN else present, self.op)
         if isinstance(value, torch.Tensor):

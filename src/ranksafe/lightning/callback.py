@@ -75,8 +75,8 @@ class RankSafe(SharedCheckpointIO, Callback):
       failed write on rank 0 is a :class:`~ranksafe.RankFailure` on every rank, not a hang in a barrier;
     * every rank loads the path rank 0 chose (``ckpt_path="last"`` is resolved per rank), and a corrupt file
       raises :class:`~ranksafe.CorruptCheckpoint` on every rank;
-    * ModelCheckpoint and EarlyStopping read their monitored metric through :class:`MonitorAgreement`: one
-      decision and one file name on every rank, even without ``sync_dist=True``;
+    * ModelCheckpoint and EarlyStopping read their metrics through :class:`MonitorAgreement`: one decision and one
+      file name on every rank, even without ``sync_dist=True`` or where a metric was logged on some ranks only;
     * an exception on one rank is posted with :func:`ranksafe.abort`, so the others raise within seconds at their
       next ranksafe collective; a ModelCheckpoint ``save_on_exception`` waits at most
       :data:`.shared_io.EXCEPTION_SAVE_WAIT` for ranks that did not fail (stock Lightning waits for the process
@@ -171,6 +171,7 @@ class RankSafe(SharedCheckpointIO, Callback):
         self._after_monitors = False  # the step's and the epoch's saves come after the last monitoring callback's
         self._polled_step = -1  # the optimizer step whose end was last checked (savers, schedule)
         self._failed = False  # Lightning is handling an exception of this stage: its saves wait less for the others
+        self._stopping_read = None
 
     def _new_steps(self) -> TrainerSteps | None:
         return None if self._steps_args is None else TrainerSteps(self.lock, **self._steps_args)
@@ -203,7 +204,7 @@ class RankSafe(SharedCheckpointIO, Callback):
     # -- hooks ----------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Runs on every rank once the process group exists, before any checkpoint is loaded or saved."""
-        self._failed = False
+        self._failed, self._stopping_read = False, None
         self._io = _async_io(trainer)
         if self._io is not None:
             self._io._attach()
@@ -257,10 +258,11 @@ class RankSafe(SharedCheckpointIO, Callback):
                 wrap(cb, compat.LINK_CHECKPOINT, self._link)
                 if self._io is not None:
                     wrap(cb, "file_exists", self._file_exists)
-                if shared and monitor:
-                    wrap(cb, compat.MONITOR_CANDIDATES, functools.partial(self._agreed_candidates, monitor))
+                if shared:  # also without a monitor: the other metrics may name the file
+                    wrap(cb, compat.MONITOR_CANDIDATES, self._agreed_candidates)
             elif isinstance(cb, EarlyStopping) and shared:
-                wrap(cb, compat.STOPPING_CRITERIA, functools.partial(self._agreed_criteria, monitor))
+                wrap(cb, compat.CONDITION_METRIC, functools.partial(self._agreed_condition, monitor))
+                wrap(cb, compat.STOPPING_CRITERIA, self._agreed_criteria)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Write a probe into every ModelCheckpoint directory (resolved in their ``setup``): a directory, bucket or

@@ -21,9 +21,15 @@ MONITOR_CANDIDATES = "_monitor_candidates"
 decision (file name, top-k, last). ``trainer.callback_metrics`` cannot be agreed beforehand: each read recomputes
 it from the rank's own logged values."""
 
+CONDITION_METRIC = "_validate_condition_metric"
+"""``EarlyStopping._validate_condition_metric(logs)``: whether the monitored metric was logged, which decides whether
+the check goes on to the stop decision that every rank reduces. A rank that did not log it skips that reduction while
+the others wait for it; the value every rank agreed is put in ``logs`` here, before Lightning reads it."""
+
 STOPPING_CRITERIA = "_evaluate_stopping_criteria"
 """``EarlyStopping._evaluate_stopping_criteria(current)``: where the monitored value moves the patience counter,
-which must move alike on every rank (its stop decision is reduced, the counter is not)."""
+which must move alike on every rank (its stop decision is reduced, the counter is not). Called right after Lightning
+read the agreed value from ``logs``: the trainer's metrics get each rank's own value back here."""
 
 CHECKPOINT_CONNECTOR = "_checkpoint_connector"
 """``Trainer._checkpoint_connector``: its ``resume_start(checkpoint_path, weights_only)`` is where every stage loads

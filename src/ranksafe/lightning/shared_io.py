@@ -64,6 +64,7 @@ class SharedCheckpointIO:
     _failed: bool  # Lightning is handling an exception of this stage: its saves wait less for the others
     manager: CheckpointManager | None
     monitors: MonitorAgreement
+    _stopping_read: tuple[dict[str, Any], str, Any] | None  # EarlyStopping's metrics, its monitor, this rank's value
     latest_checkpoint: Callable[[], str | None]
 
     def _wait(self) -> float | None:
@@ -76,17 +77,34 @@ class SharedCheckpointIO:
         with together(name, self._wait()):
             return original(*args, **kwargs)
 
-    def _agreed_candidates(self, monitor: str, read: Callable[..., Any], trainer: pl.Trainer) -> dict[str, Any]:
-        """ModelCheckpoint's read of the metrics, with the monitored one agreed by every rank."""
-        candidates = read(trainer)
-        value = self.monitors.agree(monitor, candidates.get(monitor), self._wait())
-        if value is not None:
-            candidates[monitor] = value
-        return candidates
+    def _agreed_candidates(self, read: Callable[..., Any], trainer: pl.Trainer) -> dict[str, Any]:
+        """ModelCheckpoint's read of the metrics, each agreed by every rank: the monitored one decides, and all of
+        them may go into the file's name (:meth:`~ranksafe.lightning.MonitorAgreement.agree_all`)."""
+        return self.monitors.agree_all(read(trainer), self._wait(), reader="ModelCheckpoint")
 
-    def _agreed_criteria(self, monitor: str, evaluate: Callable[..., Any], current: Any) -> Any:
-        """EarlyStopping's stopping criteria, of the monitored value agreed by every rank."""
-        return evaluate(self.monitors.agree(monitor, current, self._wait()))
+    def _agreed_condition(self, monitor: str, validate: Callable[..., Any], logs: dict[str, Any]) -> bool:
+        """EarlyStopping's check that the monitored metric was logged, made of the value every rank agreed. A rank
+        that did not log it checks the others' value (stock Lightning skips the check there, and the other ranks wait
+        for its stop decision); when no rank logged it, every rank answers alike. The agreed value stays in ``logs``
+        (the trainer's metrics) for Lightning's next read only, the stopping criteria's (:meth:`_agreed_criteria`)."""
+        own = logs.get(monitor)
+        agreed = self.monitors.agree(monitor, own, self._wait())
+        if agreed is not None:
+            logs[monitor] = agreed
+            self._stopping_read = (logs, monitor, own)
+        return validate(logs)
+
+    def _agreed_criteria(self, evaluate: Callable[..., Any], current: Any) -> Any:
+        """EarlyStopping's stopping criteria, of the agreed value Lightning just read (:meth:`_agreed_condition`); the
+        trainer's metrics hold this rank's own value again first (none, where it logged none)."""
+        if self._stopping_read is not None:
+            logs, monitor, own = self._stopping_read
+            self._stopping_read = None
+            if own is None:
+                logs.pop(monitor, None)
+            else:
+                logs[monitor] = own
+        return evaluate(current)
 
     def _load(
         self, trainer: pl.Trainer, original: Callable[..., Any], checkpoint_path: Any, weights_only: bool | None = None
