@@ -8,6 +8,7 @@ tests/test_fastai.py.
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import warnings
 
@@ -648,3 +649,31 @@ def test_a_resumed_run_shuffles_a_plain_fastai_loader_as_the_uninterrupted_run_d
     again = run(1, "ckpt", resume=True)
     assert [list(v) for v in again.recorder.values] == [list(v) for v in reference.recorder.values]
     assert params(again) == params(reference)
+
+
+def _summary(learn: Learner) -> None:
+    with learn.no_bar(), learn.no_logging():
+        learn.summary()
+
+
+def test_a_model_summary_is_no_fit_it_saves_nothing_and_leaves_the_resume_to_the_next_fit(tmp_path):
+    """fastai's ``learn.summary()`` runs the model on one batch between ``before_fit`` and ``after_fit`` events of its
+    own. Before: RankSafe took that for a fit. On a new Learner with a checkpoint_dir the summary raised (there was no
+    optimizer to save) and left the fit's preemption handlers installed; between fits it saved a step of its own;
+    with ``resume=True`` it used up the resume, and fastai's SkipToEpoch stayed on the Learner for every later fit."""
+    handler = signal.getsignal(signal.SIGTERM)
+    learn = _learner(tmp_path, 0, RankSafe(checkpoint_dir="ckpt", preemption=True))
+    _summary(learn)  # before any fit
+    assert signal.getsignal(signal.SIGTERM) == handler and not (tmp_path / "ckpt").exists()
+    _fit(learn, 3)
+    _summary(learn)  # between fits
+    assert _committed(tmp_path / "ckpt") == [0, 1, 2]
+
+    resumed = _learner(tmp_path, 1, RankSafe(checkpoint_dir="ckpt", resume=True))  # the next launch
+    _summary(resumed)
+    assert _committed(tmp_path / "ckpt") == [0, 1, 2]
+    watch = _fit(resumed, 5)
+    assert watch.trained == [3, 4] and watch.start == params(learn)
+    assert _committed(tmp_path / "ckpt") == [2, 3, 4]
+    assert [type(cb).__name__ for cb in resumed.cbs if "Skip" in type(cb).__name__] == []
+    assert _fit(resumed, 2).trained == [0, 1]  # a later fit of the same Learner trains from its first epoch

@@ -37,7 +37,7 @@ from ..options import needs_checkpoint_dir, positive_int
 from ..retention import Retention
 from ..schedule import SaveSchedule
 from ..storage import Storage
-from . import learner
+from . import compat, learner
 from .distributed import any_backend, prepare_distributed, refuse_training_alone
 from .guards import discard_temporaries, guard, put_back, quiet_csv_loggers, quiet_trackers, refuse_remote_csv
 from .learner import stock_method
@@ -55,6 +55,7 @@ _TRANSIENT = {"_fit": None, "_steps": None, "_lock": None, "_exported_ranks": Fa
 """RankSafe's attributes that belong to this process (or to its user: credentials): never pickled."""
 
 
+@compat.training_loop_only  # learn.summary() is no fit: without it, a fit's checkpoints, resume and saves ran there
 class RankSafe(Callback):
     """Make everything fastai writes or decides correct under distributed training (see the module docstring).
 
