@@ -276,18 +276,24 @@ def _agree_all(rank, op):
         "flag": [True, False][rank],  # a bool is not a metric value
         **({"score": 10.0} if rank == 0 else {"debug": torch.tensor(1.0)}),  # on one rank only
     }
-    agreed = MonitorAgreement(op).agree_all(read, reader="ModelCheckpoint")
+    read["loss"] = torch.tensor([1.0, 2.0][rank])  # not asked for: each rank's own, and no warning
+    names = ["acc", "epoch", "histogram", "flag", "score", "debug"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        agreed = MonitorAgreement(op).agree_all(read, names, reader="ModelCheckpoint")
+    assert not [w for w in caught if "'loss'" in str(w.message)]
     return {name: value.tolist() if isinstance(value, torch.Tensor) else value for name, value in agreed.items()}
 
 
-def test_every_metric_a_checkpoint_reads_is_agreed_in_one_exchange():
+def test_the_metrics_that_rank_or_name_a_checkpoint_are_agreed_in_one_exchange():
     for op, expected in (("mean", {"acc": 0.6, "score": 10.0, "debug": 1.0}), ("main", {"acc": 0.5, "score": 10.0})):
         ranks = run_ranks(_agree_all, 2, args=(op,)).values
         for rank, agreed in enumerate(ranks):
-            assert set(agreed) == {"epoch", "histogram", "flag", *expected}, (op, rank, agreed)  # main: rank 0's
+            # with op="main", "debug" (not logged on rank 0) is left out everywhere
+            assert set(agreed) == {"epoch", "histogram", "flag", "loss", *expected}, (op, rank, agreed)
             assert {name: agreed[name] for name in expected} == pytest.approx(expected), (op, rank)
             assert agreed["epoch"] == 3 and agreed["histogram"] == [1.0 + rank, 2.0 + 2 * rank]
-            assert agreed["flag"] is [True, False][rank]
+            assert agreed["flag"] is [True, False][rank] and agreed["loss"] == [1.0, 2.0][rank]
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -85,13 +85,16 @@ class MonitorAgreement:
             raise ValueError(f"monitored metric {name!r} was not logged on rank 0; it cannot be agreed with op='main'")
         return self._settle(name, gathered, value)
 
-    def agree_all(self, values: Mapping[str, Any], timeout: float | None = None, reader: str = "metrics") -> dict:
-        """``values`` (what a callback read of the logged metrics, name -> value) with every number and one-element
-        tensor agreed as :meth:`agree` agrees one, in one exchange whatever their count: the monitored metric decides
-        alike on every rank, the others name one file. A metric that another rank logged and this one did not is
-        added; with ``op="main"``, one that rank 0 did not log is left out on every rank. Any other value stays as it
-        is. ``reader`` names the reading callback in the exchange, so that ranks at different reads mismatch."""
-        mine = {name: number for name, value in values.items() if (number := _scalar(value)) is not None}
+    def agree_all(
+        self, values: Mapping[str, Any], names: Iterable[str], timeout: float | None = None, reader: str = "metrics"
+    ) -> dict:
+        """``values`` (what a callback read of the logged metrics, name -> value) with the metrics ``names`` agreed as
+        :meth:`agree` agrees one, in one exchange whatever their count: a checkpoint's monitored metric and those that
+        name its file. One of them that another rank logged and this one did not is added; with ``op="main"``, one
+        that rank 0 did not log is left out on every rank. Values that are not one number stay as they are, and so
+        does every other metric. ``reader`` names the reading callback in the exchange, so that ranks at different
+        reads mismatch."""
+        mine = {name: number for name in names if (number := _scalar(values.get(name))) is not None}
         gathered = all_gather(mine, name=f"monitor: {reader}", timeout=timeout)
         agreed = dict(values)
         for name in sorted(set().union(*gathered)):

@@ -258,8 +258,8 @@ class RankSafe(SharedCheckpointIO, Callback):
                 wrap(cb, compat.LINK_CHECKPOINT, self._link)
                 if self._io is not None:
                     wrap(cb, "file_exists", self._file_exists)
-                if shared:  # also without a monitor: the other metrics may name the file
-                    wrap(cb, compat.MONITOR_CANDIDATES, self._agreed_candidates)
+                if shared:  # also without a monitor: metrics may name the file
+                    wrap(cb, compat.MONITOR_CANDIDATES, functools.partial(self._agreed_candidates, cb))
             elif isinstance(cb, EarlyStopping) and shared:
                 wrap(cb, compat.CONDITION_METRIC, functools.partial(self._agreed_condition, monitor))
                 wrap(cb, compat.STOPPING_CRITERIA, self._agreed_criteria)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -77,10 +78,13 @@ class SharedCheckpointIO:
         with together(name, self._wait()):
             return original(*args, **kwargs)
 
-    def _agreed_candidates(self, read: Callable[..., Any], trainer: pl.Trainer) -> dict[str, Any]:
-        """ModelCheckpoint's read of the metrics, each agreed by every rank: the monitored one decides, and all of
-        them may go into the file's name (:meth:`~ranksafe.lightning.MonitorAgreement.agree_all`)."""
-        return self.monitors.agree_all(read(trainer), self._wait(), reader="ModelCheckpoint")
+    def _agreed_candidates(self, cb: ModelCheckpoint, read: Callable[..., Any], trainer: pl.Trainer) -> dict[str, Any]:
+        """ModelCheckpoint's read of the metrics, with the monitored one and those that name its files agreed by every
+        rank (:meth:`~ranksafe.lightning.MonitorAgreement.agree_all`); the others, which it does not use, stay each
+        rank's own."""
+        templates = f"{cb.filename or ''} {cb.CHECKPOINT_NAME_LAST or ''}"
+        names = {cb.monitor, *re.findall(r"\{([^:}]*)", templates)} - {None}
+        return self.monitors.agree_all(read(trainer), names, self._wait(), reader="ModelCheckpoint")
 
     def _agreed_condition(self, monitor: str, validate: Callable[..., Any], logs: dict[str, Any]) -> bool:
         """EarlyStopping's check that the monitored metric was logged, made of the value every rank agreed. A rank
