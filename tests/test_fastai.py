@@ -151,7 +151,7 @@ def bound_to_itself(copy) -> list[str]:
     return sorted(k for k, v in vars(copy).items() if isinstance(v, functools.partial) and v.args[:1] == (copy,))
 
 
-LEARNER_METHODS = ["export", "fit", "get_preds", "load", "resume", "save", "validate"]  # those of a tabular Learner
+LEARNER_METHODS = ["export", "fit", "get_preds", "load", "resume", "save", "summary", "tta", "validate"]  # tabular
 
 
 class Pickles(Callback):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 import warnings
 
 import pytest
@@ -19,6 +20,7 @@ pytest.importorskip("fastai")
 import torch
 from fastai.callback.fp16 import MixedPrecision
 from fastai.callback.tracker import EarlyStoppingCallback, SaveModelCallback, TrackerCallback
+from fastai.data.core import Datasets
 from fastai.tabular.all import Callback, CancelBatchException, CancelTrainException, Learner, MSELossFlat
 from fastai.torch_core import set_seed
 from torch.amp import GradScaler, autocast
@@ -651,29 +653,89 @@ def test_a_resumed_run_shuffles_a_plain_fastai_loader_as_the_uninterrupted_run_d
     assert params(again) == params(reference)
 
 
-def _summary(learn: Learner) -> None:
+_ROWS = torch.randn(64, 3, generator=torch.Generator().manual_seed(0))
+
+
+def _row(i: int) -> torch.Tensor:
+    return _ROWS[i]
+
+
+def _target(i: int) -> torch.Tensor:
+    return _ROWS[i].sum(0, keepdim=True)
+
+
+def _split_learner(root, seed, cb) -> Learner:
+    """A Learner whose data are fastai ``Datasets`` with a train and a valid split: ``tta`` needs them."""
+    set_seed(seed, reproducible=True)
+    ds = Datasets(list(range(64)), tfms=[[_row], [_target]], splits=[list(range(48)), list(range(48, 64))])
+    dls = ds.dataloaders(bs=8, path=root, device="cpu", num_workers=0)
+    return Learner(dls, torch.nn.Linear(3, 1), loss_func=MSELossFlat(), path=root, cbs=cb)
+
+
+def _passes(learn: Learner) -> None:
+    """fastai's model summary and test-time augmentation, which send fit events of their own."""
     with learn.no_bar(), learn.no_logging():
         learn.summary()
+        learn.tta()
 
 
-def test_a_model_summary_is_no_fit_it_saves_nothing_and_leaves_the_resume_to_the_next_fit(tmp_path):
-    """fastai's ``learn.summary()`` runs the model on one batch between ``before_fit`` and ``after_fit`` events of its
-    own. Before: RankSafe took that for a fit. On a new Learner with a checkpoint_dir the summary raised (there was no
-    optimizer to save) and left the fit's preemption handlers installed; between fits it saved a step of its own;
-    with ``resume=True`` it used up the resume, and fastai's SkipToEpoch stayed on the Learner for every later fit."""
+def test_a_model_summary_or_tta_is_no_fit_it_saves_nothing_and_leaves_the_resume_to_the_next_fit(tmp_path):
+    """fastai's ``learn.summary()`` and ``learn.tta()`` send ``before_fit`` and ``after_fit`` events of their own
+    around their predictions. Before: RankSafe took them for fits. On a new Learner with a checkpoint_dir the summary
+    raised (there was no optimizer to save) and left the fit's preemption handlers installed; between fits they saved
+    steps of their own; with ``resume=True`` the first of them used up the resume (tta raised), and fastai's
+    SkipToEpoch stayed on the Learner for every later fit."""
     handler = signal.getsignal(signal.SIGTERM)
-    learn = _learner(tmp_path, 0, RankSafe(checkpoint_dir="ckpt", preemption=True))
-    _summary(learn)  # before any fit
+    learn = _split_learner(tmp_path, 0, RankSafe(checkpoint_dir="ckpt", preemption=True))
+    _passes(learn)  # before any fit
     assert signal.getsignal(signal.SIGTERM) == handler and not (tmp_path / "ckpt").exists()
     _fit(learn, 3)
-    _summary(learn)  # between fits
+    _passes(learn)  # between fits
     assert _committed(tmp_path / "ckpt") == [0, 1, 2]
 
-    resumed = _learner(tmp_path, 1, RankSafe(checkpoint_dir="ckpt", resume=True))  # the next launch
-    _summary(resumed)
+    resumed = _split_learner(tmp_path, 1, RankSafe(checkpoint_dir="ckpt", resume=True))  # the next launch
+    _passes(resumed)
     assert _committed(tmp_path / "ckpt") == [0, 1, 2]
     watch = _fit(resumed, 5)
     assert watch.trained == [3, 4] and watch.start == params(learn)
     assert _committed(tmp_path / "ckpt") == [2, 3, 4]
     assert [type(cb).__name__ for cb in resumed.cbs if "Skip" in type(cb).__name__] == []
     assert _fit(resumed, 2).trained == [0, 1]  # a later fit of the same Learner trains from its first epoch
+
+
+def _alone_on_rank_0(rank, root):
+    learn = _split_learner(root, 0, RankSafe(checkpoint_dir="ckpt"))
+    _fit(learn, 1)
+    done, took, error = os.path.join(root, "rank 0 done"), None, None
+    if rank == 0:  # rank 1 meanwhile runs nothing of ranksafe's
+        start = time.monotonic()
+        try:
+            _passes(learn)
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+        took = time.monotonic() - start
+        open(done, "w").close()
+    deadline = time.monotonic() + 60
+    while not os.path.exists(done) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return took, error, _fit(learn, 1).trained
+
+
+def test_one_rank_may_run_a_summary_or_tta_alone(tmp_path):
+    """``if rank == 0: learn.tta()`` after training, as ``validate`` may run alone. Before: rank 0's tta met RankSafe's
+    epoch barrier alone and waited there for rank 1 until the timeout."""
+    ranks = run_ranks(_alone_on_rank_0, 2, args=(str(tmp_path),), timeout=150)
+    (took, error, trained), (_, _, trained_1) = ranks.values
+    assert error is None and took < 10, (took, error)
+    assert trained == trained_1 == [0]
+    assert _committed(tmp_path / "ckpt") == [0, 1]
+
+
+def test_a_ranksafe_given_to_one_fit_leaves_the_attached_ones_preempted_flag(tmp_path):
+    """Before: the RankSafe given to one fit, taken off at its end, took ``learn.preempted`` with it, though the
+    Learner's own RankSafe stayed attached (``if learn.preempted: sys.exit(0)`` raised AttributeError)."""
+    learn = _learner(tmp_path, 0, RankSafe(checkpoint_dir="ckpt", preemption=True))
+    _fit(learn, 1, RankSafe())
+    assert learn.preempted is False and _committed(tmp_path / "ckpt") == [0]
+    learn.remove_cb(next(cb for cb in learn.cbs if isinstance(cb, RankSafe)))
+    assert not hasattr(learn, "preempted")  # the last one taken off takes it

@@ -37,25 +37,17 @@ from ..options import needs_checkpoint_dir, positive_int
 from ..retention import Retention
 from ..schedule import SaveSchedule
 from ..storage import Storage
-from . import compat, learner
+from . import learner
 from .distributed import any_backend, prepare_distributed, refuse_training_alone
 from .guards import discard_temporaries, guard, put_back, quiet_csv_loggers, quiet_trackers, refuse_remote_csv
-from .learner import stock_method
+from .learner import in_a_pass, stock_method
 from .mid_epoch import end_resumed_epoch
 from .steps import Fit, FitSteps, StepBoundary
-
-
-def _validating(learn: Learner) -> bool:
-    """A ``validate``/``get_preds`` pass (which fires fit and epoch events too) is running: it holds ``Learner.lock``,
-    a fit never does."""
-    return learn.lock.locked()
-
 
 _TRANSIENT = {"_fit": None, "_steps": None, "_lock": None, "_exported_ranks": False, "storage_options": None}
 """RankSafe's attributes that belong to this process (or to its user: credentials): never pickled."""
 
 
-@compat.training_loop_only  # learn.summary() is no fit: without it, a fit's checkpoints, resume and saves ran there
 class RankSafe(Callback):
     """Make everything fastai writes or decides correct under distributed training (see the module docstring).
 
@@ -157,7 +149,11 @@ class RankSafe(Callback):
             self._end_fit(exc)
         if self._learn is not None:
             _uninstall(self._learn, self._installed)
-            vars(self._learn).pop("preempted", None)
+            staying = [cb for cb in self._learn.cbs if isinstance(cb, RankSafe) and cb is not self]
+            if staying:  # another RankSafe stays attached (this one was given to one fit): its flag
+                vars(self._learn)["preempted"] = staying[0].preempted
+            else:
+                vars(self._learn).pop("preempted", None)
         self._learn, self._installed = learn, ()
         if learn is not None:
             self._exported_ranks |= prepare_distributed()
@@ -189,7 +185,7 @@ class RankSafe(Callback):
         any_backend(learn.dls.loaders)
         refuse_remote_csv(learn)
         quiet_csv_loggers(learn)
-        if _validating(learn):
+        if in_a_pass(learn):
             return
         several = topology.world_size() >= 2
         # where learn.path is a URL, fastai makes local folders named after it for lr_find's model and the CSV log
@@ -225,7 +221,7 @@ class RankSafe(Callback):
         """Every rank arrives here, or every rank learns which one failed (instead of hanging in DDP). An epoch a
         resume skips gets its saved record, for the Recorder to log as the run that trained it did."""
         fit = self._fit
-        if fit is None or _validating(self.learn):
+        if fit is None or in_a_pass(self.learn):
             return
         fit.epoch = self.epoch
         put_back(fit.quiet, "after_epoch")
@@ -275,7 +271,7 @@ class RankSafe(Callback):
         """After a training batch that was not cancelled: every rank asks the manager whether to save, and stops the
         fit when the ranks reached a preemption."""
         fit = self._fit
-        if fit is None or not fit.checkpointing or not self.training or _validating(self.learn):
+        if fit is None or not fit.checkpointing or not self.training or in_a_pass(self.learn):
             return
         cancelled, fit.cancelled = fit.cancelled, False
         if cancelled or not self._scheduled:
@@ -293,7 +289,7 @@ class RankSafe(Callback):
     def after_epoch(self) -> None:
         """Every rank takes rank 0's record of this epoch, before any tracker reads it; then the checkpoint. (The
         write side is released first: an epoch cancelled in an earlier ``after_step`` skips our ``after_batch``.)"""
-        fit = self._fit if self._fit is not None and not _validating(self.learn) else None
+        fit = self._fit if self._fit is not None and not in_a_pass(self.learn) else None
         checkpointing = fit is not None and fit.checkpointing
         skipped = checkpointing and self.epoch < fit.skip_to  # by the resume, not by another callback
         self._release()
@@ -308,7 +304,7 @@ class RankSafe(Callback):
         """Every rank's epoch record becomes rank 0's (one broadcast). A fit's only: a ``validate`` pass may run on
         one rank alone, and a ``get_preds`` pass records nothing."""
         recorder = getattr(self.learn, "recorder", None)
-        if topology.world_size() >= 2 and not _validating(self.learn) and getattr(recorder, "values", None):
+        if topology.world_size() >= 2 and not in_a_pass(self.learn) and getattr(recorder, "values", None):
             agreed = broadcast(list(recorder.values[-1]), name="fastai: epoch record")
             recorder.values[-1] = self.learn.final_record = L(agreed)
 
@@ -318,7 +314,7 @@ class RankSafe(Callback):
         ends it."""
         quiet_csv_loggers(self.learn)
         fit = self._fit
-        if fit is not None and _validating(self.learn):
+        if fit is not None and in_a_pass(self.learn):
             self.learn.epoch = fit.epoch  # a validate pass inside the fit ended: TrainEvalCallback set it to 0
         elif fit is not None and fit.checkpointing:
             if self._preempted:
@@ -394,7 +390,7 @@ class RankSafeLearner:
 
     fit, resume = fit, resume
     save, load, export = learner.save, learner.load, learner.export
-    get_preds, validate = learner.get_preds, learner.validate
+    get_preds, validate, tta, summary = learner.get_preds, learner.validate, learner.tta, learner.summary
     save_encoder, load_encoder, load_pretrained = learner.save_encoder, learner.load_encoder, learner.load_pretrained
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

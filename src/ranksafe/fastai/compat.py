@@ -10,7 +10,6 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from fastai.callback.tracker import TrackerCallback
 from fastai.distributed import DistributedDL
 from fastai.learner import Learner
 
@@ -20,7 +19,6 @@ PRIVATE_NAMES: dict[str, tuple[Any, str]] = {
     "fastai.learner.Learner._end_cleanup": (Learner, "_end_cleanup"),
     "fastai.distributed.DistributedDL._broadcast": (DistributedDL, "_broadcast"),
     "numpy._core.multiarray.scalar": (_numpy_core.multiarray, "scalar"),
-    "fastai.callback.tracker.TrackerCallback._only_train_loop": (TrackerCallback, "_only_train_loop"),
 }
 """Each private name by its dotted path: the object that holds it and the attribute."""
 
@@ -44,12 +42,3 @@ def numpy_scalar() -> Callable[..., Any]:
     """NumPy's scalar reconstructor (``numpy._core.multiarray.scalar``): fastai's own ``load_model`` allows it in
     a weights-only load, since its model files can hold NumPy scalars."""
     return _numpy_core.multiarray.scalar
-
-
-def training_loop_only(cls: type) -> type:
-    """Mark a callback class as fastai marks its trackers (``_only_train_loop``): ``Learner.summary()`` takes such
-    callbacks off while it runs the model on one batch. That pass sends ``before_fit`` and ``after_fit`` of its own,
-    outside ``learn.lock`` (which marks every other pass that is not a fit): a callback left on would take it for a
-    fit."""
-    cls._only_train_loop = True  # type: ignore[attr-defined]
-    return cls

@@ -4,8 +4,8 @@ Every function here is a collective (all ranks call it, as in any fastai DDP scr
 a failed write or read raises :class:`ranksafe.RankFailure` on every rank, and every load waits for the writer. In a
 single process they write what fastai's own write. Loads are ``weights_only`` unless ``trusted=True``; the readers of
 pickles (:func:`load_learner`, :func:`load_data`) refuse to run without it. The methods (:func:`save`, :func:`load`,
-:func:`export`, :func:`get_preds`, :func:`validate`) take the Learner first: they are ``RankSafeLearner``'s, and
-RankSafe makes them one Learner instance's own.
+:func:`export`, :func:`get_preds`, :func:`validate`, :func:`tta`, :func:`summary`) take the Learner first: they are
+``RankSafeLearner``'s, and RankSafe makes them one Learner instance's own.
 """
 
 from __future__ import annotations
@@ -271,6 +271,43 @@ def get_preds(learn: Learner, *args: Any, save_preds=None, save_targs=None, cbs=
         cbs = [*L(cbs), _SavePreds(save_preds, save_targs, kwargs.get("pickle_protocol", 2))]
     with _gathering_from_sharded_loaders_only(learn):
         return stock_method(learn, "get_preds", get_preds)(*args, cbs=cbs, **kwargs)
+
+
+def tta(learn: Learner, *args: Any, **kwargs: Any) -> Any:
+    """``tta``, which sends fit events of its own around its predictions: no fit to RankSafe (see :func:`no_fit`).
+    One rank may run it alone, as :func:`get_preds`."""
+    with no_fit(learn):
+        return stock_method(learn, "tta", tta)(*args, **kwargs)
+
+
+def summary(learn: Learner, *args: Any, **kwargs: Any) -> Any:
+    """``summary``, which runs the model on one batch between fit events of its own: no fit to RankSafe (see
+    :func:`no_fit`)."""
+    with no_fit(learn):
+        return stock_method(learn, "summary", summary)(*args, **kwargs)
+
+
+_PASSES: dict[int, int] = {}
+"""Learners inside a pass that is no fit (:func:`no_fit`), by id: how many such passes each is inside."""
+
+
+@contextmanager
+def no_fit(learn: Learner) -> Iterator[None]:
+    """A pass that sends ``before_fit`` and ``after_fit`` of its own outside ``learn.lock`` (which marks validate and
+    get_preds): RankSafe must not take it for a fit, which would open the checkpoints, use up a resume, save a step
+    and meet the other ranks."""
+    _PASSES[id(learn)] = _PASSES.get(id(learn), 0) + 1
+    try:
+        yield
+    finally:
+        if left := _PASSES.pop(id(learn)) - 1:
+            _PASSES[id(learn)] = left
+
+
+def in_a_pass(learn: Learner) -> bool:
+    """Whether ``learn`` runs a pass that is no fit: validate or get_preds (they hold ``learn.lock``), or
+    :func:`no_fit`'s (tta, summary)."""
+    return learn.lock.locked() or id(learn) in _PASSES
 
 
 def validate(learn: Learner, *args: Any, **kwargs: Any) -> Any:
