@@ -731,11 +731,31 @@ def test_one_rank_may_run_a_summary_or_tta_alone(tmp_path):
     assert _committed(tmp_path / "ckpt") == [0, 1]
 
 
-def test_a_ranksafe_given_to_one_fit_leaves_the_attached_ones_preempted_flag(tmp_path):
-    """Before: the RankSafe given to one fit, taken off at its end, took ``learn.preempted`` with it, though the
-    Learner's own RankSafe stayed attached (``if learn.preempted: sys.exit(0)`` raised AttributeError)."""
-    learn = _learner(tmp_path, 0, RankSafe(checkpoint_dir="ckpt", preemption=True))
-    _fit(learn, 1, RankSafe())
+class SignalAt(Callback):
+    """Sends this process SIGTERM after training batch ``at`` (of the fit, counted from 0)."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.n = at, 0
+
+    def after_batch(self):
+        if self.training:
+            self.n += 1
+            if self.n == self.at + 1:
+                signal.raise_signal(signal.SIGTERM)
+
+
+def test_a_ranksafe_given_to_one_fit_leaves_the_attached_one_working_and_its_preemption_seen(tmp_path):
+    """Two RankSafe on one Learner: one attached, one given to a fit. Before: the one given to the fit, taken off at
+    its end, took ``learn.preempted`` with it (``if learn.preempted: sys.exit(0)`` raised AttributeError); and the
+    attached one, taken off first, took the methods it had installed, which the other one still needed."""
+    learn = _learner(tmp_path, 0, RankSafe())
+    _fit(learn, 1, RankSafe(checkpoint_dir="ckpt", preemption=True))
     assert learn.preempted is False and _committed(tmp_path / "ckpt") == [0]
+    _fit(learn, 2, RankSafe(checkpoint_dir="ckpt", preemption=True), SignalAt(2))  # a preemption in this fit
+    assert learn.preempted is True  # seen after the fit, though the RankSafe that stopped it is gone
+
+    learn = _learner(tmp_path / "two", 0, [RankSafe(), RankSafe(checkpoint_dir="ckpt")])
+    learn.remove_cb(learn.cbs[[type(cb) for cb in learn.cbs].index(RankSafe)])  # the first one attached
+    assert {"fit", "summary", "tta", "validate"} <= set(vars(learn)) and learn.preempted is False
     learn.remove_cb(next(cb for cb in learn.cbs if isinstance(cb, RankSafe)))
-    assert not hasattr(learn, "preempted")  # the last one taken off takes it
+    assert not {"fit", "summary", "tta", "validate", "preempted"} & set(vars(learn))  # the last one takes them

@@ -149,22 +149,27 @@ class RankSafe(Callback):
             self._end_fit(exc)
         if self._learn is not None:
             _uninstall(self._learn, self._installed)
-            staying = [cb for cb in self._learn.cbs if isinstance(cb, RankSafe) and cb is not self]
-            if staying:  # another RankSafe stays attached (this one was given to one fit): its flag
-                vars(self._learn)["preempted"] = staying[0].preempted
-            else:
-                vars(self._learn).pop("preempted", None)
+            preempted = vars(self._learn).pop("preempted", False)
+            # another RankSafe that stays attached (this one was given to one fit) keeps the Learner as it needs it
+            staying = (cb for cb in self._learn.cbs if isinstance(cb, RankSafe) and cb is not self)
+            if (keeper := next(staying, None)) is not None:
+                keeper._stay_on(self._learn, preempted)
         self._learn, self._installed = learn, ()
         if learn is not None:
             self._exported_ranks |= prepare_distributed()
-            self._installed = _install(learn)
-            vars(learn)["preempted"] = self._preempted
+            self._stay_on(learn, vars(learn).get("preempted", False))
         if ending:
             try:
                 _meet_or_abort(exc)
             except BaseException:  # another rank failed late: fastai's remove_cb stops here, so finish it
                 old.remove_cb(self)  # sets learn None again: a no-op here, then takes the callback off
                 raise
+
+    def _stay_on(self, learn: Learner, preempted: bool) -> None:
+        """Give ``learn`` what this callback installs (the methods it lacks, ``preempted``): attached now, or staying
+        attached where another RankSafe was taken off (``preempted``: the flag it leaves, also set by that one)."""
+        self._installed += _install(learn)
+        vars(learn)["preempted"] = self._preempted or preempted
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()

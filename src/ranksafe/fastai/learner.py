@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import cloudpickle
+import fastai.callback.hook  # noqa: F401  # patches Learner.summary, which RankSafe installs its own of
 import numpy as np
 import torch
 import torch.nn as nn
