@@ -759,3 +759,20 @@ def test_a_ranksafe_given_to_one_fit_leaves_the_attached_one_working_and_its_pre
     assert {"fit", "summary", "tta", "validate"} <= set(vars(learn)) and learn.preempted is False
     learn.remove_cb(next(cb for cb in learn.cbs if isinstance(cb, RankSafe)))
     assert not {"fit", "summary", "tta", "validate", "preempted"} & set(vars(learn))  # the last one takes them
+
+
+def test_a_resume_falls_back_over_a_damaged_newest_step_and_saves_over_it(tmp_path):
+    """Before: ``resume=True`` loaded the newest step without a fallback: a damaged one (a truncated file) failed the
+    resume, and a requeued job failed the same way at every start. Now it resumes from the newest step that verifies,
+    with a warning, and training saves the damaged step again."""
+    learn = _learner(tmp_path, 0, RankSafe(checkpoint_dir="ckpt", keep=None))
+    _fit(learn, 3)
+    state = tmp_path / "ckpt" / "step_00000002" / "state.pt"
+    with open(state, "r+b") as f:
+        f.truncate(state.stat().st_size - 100)
+    resumed = _learner(tmp_path, 1, RankSafe(checkpoint_dir="ckpt", keep=None, resume=True))
+    with pytest.warns(RuntimeWarning, match="falling back to step 1"):
+        watch = _fit(resumed, 4)
+    assert watch.trained == [2, 3]
+    assert _committed(tmp_path / "ckpt") == [0, 1, 2, 3]
+    assert ranksafe.verify_step(tmp_path / "ckpt" / "step_00000002")["step"] == 2  # saved again, whole

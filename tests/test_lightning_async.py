@@ -391,6 +391,22 @@ def test_one_process_resume_from_the_manager_verifies_the_step(tmp_path):
         _fit_managed(root, 4, keep=1, resume=True)
 
 
+def test_a_resume_falls_back_over_a_damaged_newest_step_and_saves_over_it(tmp_path):
+    """Before: ``resume=True`` loaded the newest step without a fallback: a damaged one failed the fit, and a
+    requeued job failed the same way at every start. Now it resumes from the newest step that verifies, with a
+    warning; when there is none older, the damage is raised (the test above)."""
+    root = tmp_path / "managed"
+    _fit_managed(root, 2, keep=None)  # steps 4 and 8
+    state = root / "step_00000008" / "state.pt"
+    with open(state, "r+b") as f:
+        f.truncate(state.stat().st_size - 100)
+    with pytest.warns(RuntimeWarning, match="falling back to step 4"):
+        resumed = _fit_managed(root, 3, keep=None, resume=True)
+    assert resumed.global_step == 12 and resumed.callbacks[0].batches == 8  # the second and third epochs ran
+    assert [s.step for s in ranksafe.list_steps(root)] == [4, 8, 12]
+    assert ranksafe.verify_step(root / "step_00000008")["step"] == 8  # saved again, whole
+
+
 def _teardown_reports_once(rank: int, root: str) -> dict:
     import contextlib
     import io

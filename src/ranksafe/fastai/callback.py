@@ -60,7 +60,8 @@ class RankSafe(Callback):
         async_save: write each checkpoint in the background while the next epoch trains.
         storage: ``"auto"``, ``"shared"`` or ``"local"``: see :class:`~ranksafe.CheckpointManager`.
         resume: the first ``fit`` continues from the newest checkpoint, if there is one (as ``learn.resume()`` does
-            for the next ``fit``); if a later fit of the run wrote it, the fits before that one are skipped whole.
+            for the next ``fit``); if a later fit of the run wrote it, the fits before that one are skipped whole. A
+            damaged checkpoint is fallen back over, with a warning, to the newest older one that verifies.
         preemption: handle SIGTERM and SIGUSR1 (or these signals) during each fit: when any rank receives one, every
             rank saves a checkpoint after the same training batch and the fit returns normally, with
             ``learn.preempted`` True (later fits of the process then train nothing). The next run resumes there.

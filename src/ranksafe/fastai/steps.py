@@ -117,20 +117,22 @@ class FitSteps:
         self.manager.warmup()  # a root that cannot be written (a bucket, credentials) fails every rank now
         newest = self.manager.latest()  # agreed: every rank numbers this fit's steps alike
         fit.base = 0 if newest is None else newest + 1
-        return resume and newest is not None and self._resume(learn, fit, newest)
+        return resume and newest is not None and self._resume(learn, fit)
 
-    def _resume(self, learn: Learner, fit: Fit, newest: int) -> bool:
-        """Continue this fit from step ``newest``. A re-run script runs its fits from the first: if a later fit wrote
-        that step, this one had finished, and is skipped whole (True: the resume waits for that fit). If an earlier
-        fit wrote it (``learn.resume()`` after a failed fit, in the same process), this fit takes that one's place."""
+    def _resume(self, learn: Learner, fit: Fit) -> bool:
+        """Continue this fit from the newest step every node holds, or from the newest older one that verifies where
+        that one is damaged (with a warning: training then saves over it). A re-run script runs its fits from the
+        first: if a later fit wrote that step, this one had finished, and is skipped whole (True: the resume waits for
+        that fit). If an earlier fit wrote it (``learn.resume()`` after a failed fit, in the same process), this fit
+        takes that one's place."""
         mgr = self.manager
-        state = mgr.load(newest)
+        state = mgr.load(fallback=True)
         writer = state.get(FIT, fit.ordinal)  # a checkpoint without the ordinal counts as this fit's
         if writer > fit.ordinal:
             warnings.warn(
-                f"resume: the newest checkpoint (step {newest}) was written by fit #{writer} of the run and this is "
-                f"fit #{fit.ordinal}: skipping this fit, which that run had finished (resuming fit #{writer} needs "
-                "the fits before it to run first, as when the script is run again from its start)",
+                f"resume: the checkpoint resumed from (step {mgr.loaded_step}) was written by fit #{writer} of the run "
+                f"and this is fit #{fit.ordinal}: skipping this fit, which that run had finished (resuming fit "
+                f"#{writer} needs the fits before it to run first, as when the script is run again from its start)",
                 RuntimeWarning,
                 stacklevel=2,
             )

@@ -105,8 +105,10 @@ class RankSafe(SharedCheckpointIO, Callback):
         storage_options: for a ``checkpoint_dir`` on remote storage (``s3://bucket/run``): the options of its fsspec
             file system (``endpoint_url``, ``profile``...); without them it is configured from the environment.
         resume: ``trainer.fit(model)`` without ``ckpt_path`` starts from the latest step committed on every
-            node (:meth:`latest_checkpoint`), or from scratch when there is none. An explicit ``ckpt_path`` wins.
-            ``None``: resume when ``preemption`` is on (a requeued job resumes where it stopped).
+            node (:meth:`latest_checkpoint`), or from scratch when there is none. A damaged step (a file that does
+            not match its manifest) is fallen back over, with a warning, to the newest older one that verifies. An
+            explicit ``ckpt_path`` wins. ``None``: resume when ``preemption`` is on (a requeued job resumes where it
+            stopped).
         async_save: the manager commits each step in the background; a failed commit is raised on every rank
             at the end of the next training step, and ``on_fit_end`` waits for the last one.
         every_n_train_steps: save when ``trainer.global_step`` is a multiple of it, at the end of the training

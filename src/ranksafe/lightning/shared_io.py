@@ -66,7 +66,6 @@ class SharedCheckpointIO:
     manager: CheckpointManager | None
     monitors: MonitorAgreement
     _stopping_read: tuple[dict[str, Any], str, Any] | None  # EarlyStopping's metrics, its monitor, this rank's value
-    latest_checkpoint: Callable[[], str | None]
 
     def _wait(self) -> float | None:
         """How long a collective of RankSafe waits for the other ranks: less while an exception is handled
@@ -140,7 +139,7 @@ class SharedCheckpointIO:
             checkpoint_path = chosen
         fitting = trainer.state.fn == TrainerFn.FITTING
         if checkpoint_path is None and self.resume and fitting:
-            checkpoint_path = self.latest_checkpoint()
+            checkpoint_path = self.steps.resume_checkpoint()  # type: ignore[union-attr]  # resume needs the steps
         if self.overwrite and fitting:  # the path is agreed by now (and before any save, whatever the strategy)
             self._overwrite(trainer, resuming=checkpoint_path is not None)
         return original(checkpoint_path, weights_only=weights_only)

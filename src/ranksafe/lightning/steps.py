@@ -40,6 +40,7 @@ class TrainerSteps:
         self._requeue: signal.Signals | None = None  # the run's SLURMEnvironment requeues the job after this signal
         self.stopped = False  # this fit's preemption step is saved: only stop requests from now on (same on every rank)
         self._saved_step: int | None = None  # the global step last saved: a step and an epoch rule may both fall on it
+        self._resuming: int | None = None  # the step resume=True chose, until it is loaded (it may fall back)
 
     def latest_checkpoint(self) -> str | None:
         """The file of the newest step committed on every node (its directory for a step of sharded state), or
@@ -49,6 +50,14 @@ class TrainerSteps:
             return None
         step_dir = self.manager.step_dir(step)
         return step_dir if self._sharded(step) else os.path.join(step_dir, STATE)
+
+    def resume_checkpoint(self) -> str | None:
+        """:meth:`latest_checkpoint`, for ``resume=True``: its load falls back to the newest older step that verifies
+        where that one is damaged (with a warning; the Trainer's ``ckpt_path`` still names the damaged one).
+        Collective."""
+        path = self.latest_checkpoint()
+        self._resuming = None if path is None else self.manager.step_of(path)
+        return path
 
     def _sharded(self, step: int) -> bool:
         """Whether ``step`` holds sharded state (no ``state.pt``), decided alike on every rank: a file one rank does
@@ -130,13 +139,17 @@ class TrainerSteps:
     def load(self, trainer: pl.Trainer, step: int, checkpoint_path: Any, weights_only: bool | None) -> Any:
         """Step ``step``, named by ``checkpoint_path`` (its ``state.pt`` or its directory), verified against its
         manifest on every node; what the strategy's ``load_checkpoint`` returns. Collective."""
+        fallback, self._resuming = step == self._resuming, None
         if remote.canonical(checkpoint_path) == self.manager.step_dir(step) and self._sharded(step):
-            return self._load_sharded(trainer, step, weights_only)  # named by its directory, as latest_checkpoint does
-        return self.manager.load(step, weights_only=weights_only)
+            return self._load_sharded(trainer, step, weights_only, fallback)  # named by its directory, as resumed
+        return self.manager.load(None if fallback else step, fallback, weights_only=weights_only)
 
-    def _load_sharded(self, trainer: pl.Trainer, step: int, weights_only: bool | None) -> dict[str, Any]:
+    def _load_sharded(
+        self, trainer: pl.Trainer, step: int, weights_only: bool | None, fallback: bool
+    ) -> dict[str, Any]:
         """A step of sharded state into the strategy's model and optimizers, in place, resharded to this run; returns
-        the rest of the checkpoint (what the strategy's own ``load_checkpoint`` returns)."""
+        the rest of the checkpoint (what the strategy's own ``load_checkpoint`` returns). ``fallback``: ``step`` is the
+        newest, which a resume may fall back from."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
@@ -148,7 +161,8 @@ class TrainerSteps:
         model, optimizers = trainer.strategy.model, trainer.strategy.optimizers
         into = {"state_dict": get_model_state_dict(model)}
         into.update({f"optimizer_{i}": get_optimizer_state_dict(model, opt) for i, opt in enumerate(optimizers)})
-        self.manager.load(step, weights_only=weights_only, into=into)
+        self.manager.load(None if fallback else step, fallback, weights_only=weights_only, into=into)
+        step = self.manager.loaded_step  # type: ignore[assignment]  # the step loaded, after any fallback
         strict = StateDictOptions(strict=trainer.lightning_module.strict_loading)
         set_model_state_dict(model, into["state_dict"], options=strict)
         for i, opt in enumerate(optimizers):
