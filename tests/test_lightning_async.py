@@ -26,6 +26,8 @@ from lightning.pytorch.plugins import AsyncCheckpointIO, TorchCheckpointIO
 
 import ranksafe
 from ranksafe.lightning import RankSafe, RankSafeCheckpointIO
+from ranksafe.lightning.steps import TrainerSteps
+from ranksafe.lock import StateDictLock
 from tests.ranks import run_ranks
 from tests.test_lightning_ddp import finish, start
 
@@ -555,3 +557,19 @@ def test_a_step_holds_the_model_checkpoint_state_of_its_epoch_and_a_resume_track
     assert state["callbacks"][best.state_key]["best_model_path"] == best.best_model_path
     resumed, best = _fit_tracked(tmp_path, 5, resume=True)
     assert resumed.global_step == 20 and sorted(os.listdir(tmp_path / "best")) == ["epoch=4-step=20.ckpt"]
+
+
+def test_a_step_named_after_a_resume_that_failed_loads_as_named(tmp_path):
+    """The resume's fallback is for the load it chose: once the resume is over (here it failed before loading), a
+    load of the same step, named by the user, verifies that step and raises, as any named load does."""
+    root = tmp_path / "managed"
+    _fit_managed(root, 2, keep=None)  # steps 4 and 8
+    state = root / "step_00000008" / "state.pt"
+    with open(state, "r+b") as f:
+        f.truncate(state.stat().st_size - 100)
+    steps = TrainerSteps(StateDictLock(), None, root=root, keep=None)
+    with pytest.raises(OSError, match="injected"), steps.resuming() as path:
+        assert path == str(state)
+        raise OSError("injected: a failure between the resume's choice and its load")
+    with pytest.raises(ranksafe.CorruptCheckpoint, match="step_00000008"):
+        steps.load(None, 8, str(state), weights_only=True)

@@ -138,11 +138,12 @@ class SharedCheckpointIO:
                 )
             checkpoint_path = chosen
         fitting = trainer.state.fn == TrainerFn.FITTING
-        if checkpoint_path is None and self.resume and fitting:
-            checkpoint_path = self.steps.resume_checkpoint()  # type: ignore[union-attr]  # resume needs the steps
-        if self.overwrite and fitting:  # the path is agreed by now (and before any save, whatever the strategy)
-            self._overwrite(trainer, resuming=checkpoint_path is not None)
-        return original(checkpoint_path, weights_only=weights_only)
+        resuming = checkpoint_path is None and self.resume and fitting and self.steps is not None
+        path = self.steps.resuming() if resuming else contextlib.nullcontext(checkpoint_path)  # type: ignore[union-attr]
+        with path as checkpoint_path:
+            if self.overwrite and fitting:  # the path is agreed by now (and before any save, whatever the strategy)
+                self._overwrite(trainer, resuming=checkpoint_path is not None)
+            return original(checkpoint_path, weights_only=weights_only)
 
     def _overwrite(self, trainer: pl.Trainer, resuming: bool) -> None:
         """``overwrite=True``: empty every ModelCheckpoint directory, unless the fit resumes or an earlier ``fit`` of

@@ -9,8 +9,10 @@ request (and SLURM's requeue) after the preemption step, and a step loaded back 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+from collections.abc import Iterator
 from typing import Any
 
 import lightning.pytorch as pl
@@ -51,13 +53,17 @@ class TrainerSteps:
         step_dir = self.manager.step_dir(step)
         return step_dir if self._sharded(step) else os.path.join(step_dir, STATE)
 
-    def resume_checkpoint(self) -> str | None:
-        """:meth:`latest_checkpoint`, for ``resume=True``: its load falls back to the newest older step that verifies
-        where that one is damaged (with a warning; the Trainer's ``ckpt_path`` still names the damaged one).
-        Collective."""
+    @contextlib.contextmanager
+    def resuming(self) -> Iterator[str | None]:
+        """For ``resume=True``: :meth:`latest_checkpoint`, whose load inside the block falls back to the newest older
+        step that verifies where that one is damaged (with a warning; the Trainer's ``ckpt_path`` still names the
+        damaged one). A load of that step after the block, named by the user, does not. Collective."""
         path = self.latest_checkpoint()
         self._resuming = None if path is None else self.manager.step_of(path)
-        return path
+        try:
+            yield path
+        finally:
+            self._resuming = None
 
     def _sharded(self, step: int) -> bool:
         """Whether ``step`` holds sharded state (no ``state.pt``), decided alike on every rank: a file one rank does
