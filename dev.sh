@@ -80,12 +80,13 @@ case "$job" in
     exit $status ;;
   gpu)
     # No venv: .venv holds the CPU build of torch. The machine's own CUDA build runs the tests marked cuda (skipped
-    # everywhere else) and the CUDA benchmark; fastai, lightning and pytest must already be importable there.
+    # everywhere else) and the CUDA benchmarks; fastai, lightning and pytest must already be importable there.
     export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
     "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())"
     status=0
     "$PY" -m pytest -m cuda -p no:cacheprovider -o addopts="-ra" --timeout 300 $(grep -l "mark.cuda" tests/test_*.py) "${@:2}" || status=1
     "$PY" -m benchmarks.cuda_async || status=1
+    "$PY" -m benchmarks.cuda_steps || status=1
     exit $status ;;
   *)
     echo "usage: bash dev.sh demo|test|compat|gpu [args]" >&2; exit 2 ;;

@@ -56,6 +56,17 @@ def test_quick_run_prints_every_method_with_parseable_numbers(tmp_path) -> None:
     assert not os.listdir(tmp_path)  # every script cleaned up what it wrote
 
 
+def test_the_training_step_benchmark_times_rounds_with_and_without_saves() -> None:
+    """``benchmarks/cuda_steps.py`` on the CPU with a tiny model: one round of each kind, and the saves of the round
+    with saves committed (the last two kept); the timing is not checked."""
+    from benchmarks.cuda_steps import measure
+
+    result = measure("cpu", every=2, steps=4, rounds=1, width=16, layers=1)
+    assert len(result["plain"]) == len(result["saving"]) == 1 and min(result["plain"] + result["saving"]) > 0
+    assert result["committed"] == [8, 10]  # warm-up saves step 2; the round with saves runs steps 7 to 10
+    assert result["state_mib"] > 0
+
+
 def test_scale_prints_every_operation_at_every_world_size(tmp_path) -> None:
     """``benchmarks/scale.py`` with 2 and 4 processes and few repetitions: a row per world size and operation,
     numbers that parse, gloo's barrier as the 1.00 of each world size, and nothing left behind."""
