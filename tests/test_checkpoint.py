@@ -265,6 +265,31 @@ def test_a_bad_file_name_given_on_one_rank_fails_every_rank_naming_it(tmp_path):
 # -- one process -------------------------------------------------------------------------------------
 
 
+def test_a_reader_given_to_load_reads_the_verified_step_only(tmp_path):
+    """``load(read=...)``, for a framework's loader that puts the state in place: it gets the path of the step that
+    verified, after a fallback over a damaged one too, and what it returns is what load returns."""
+    root = tmp_path / "ckpt"
+    mgr = CheckpointManager(root, keep=None)
+    for step in (1, 2):
+        mgr.save(step, {"w": torch.full((4,), float(step))})
+    read: list[str] = []
+
+    def reader(path: str) -> str:
+        read.append(path)
+        return "read by the framework"
+
+    assert mgr.load(read=reader) == "read by the framework"
+    state = root / "step_00000002" / "state.pt"
+    data = bytearray(state.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    state.write_bytes(bytes(data))
+    with pytest.warns(RuntimeWarning, match="falling back to step 1"):
+        mgr.load(fallback=True, read=reader)
+    with pytest.raises(ranksafe.CorruptCheckpoint, match="step_00000002"):
+        mgr.load(2, read=reader)
+    assert read == [str(state), str(root / "step_00000001" / "state.pt")]
+
+
 def test_after_falling_back_over_a_damaged_step_training_saves_below_it_and_resumes_from_there(tmp_path):
     """Before: the damaged step still counted as the newest, so the first save below it (step 15 after falling back
     from 20 to 10) was refused, and training could not go on from the step it fell back to."""

@@ -207,6 +207,72 @@ def test_lightning_fit_on_cuda_with_async_saves_resumes(tmp_path, monkeypatch):
     assert resumed.ckpt_path.endswith(os.path.join("step_00000008", "state.pt")) and resumed.global_step == 12
 
 
+def _full_weights(trainer) -> dict:
+    """The model's weights as whole tensors on the host, whatever the strategy shards."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = get_model_state_dict(trainer.strategy.model, options=options)
+    return {k: v.detach().cpu().clone() for k, v in weights.items()}
+
+
+@pytest.mark.parametrize("state_dict_type", ["full", "sharded"])
+def test_lightning_fsdp_strategy_on_cuda_saves_steps_and_resumes_them(tmp_path, monkeypatch, state_dict_type):
+    """Lightning's FSDPStrategy (FSDP1) needs a GPU. Its checkpoint is saved as a step, and ``resume=True`` restores
+    the weights and the loops from it, through the strategy's own ``load_checkpoint`` (its ``load_model_state_dict``
+    does nothing)."""
+    pl = pytest.importorskip("lightning.pytorch")
+    import torch.distributed as dist
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from ranksafe.lightning import RankSafe
+    from tests.test_lightning_async import Model
+
+    monkeypatch.chdir(tmp_path)
+
+    class AdamModel(Model):
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=0.01)
+
+    class Weights(pl.Callback):
+        start: dict | None = None
+        end: dict | None = None
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            self.start = _full_weights(trainer)
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            self.end = _full_weights(trainer)
+
+    def fit(epochs: int, **options) -> tuple[pl.Trainer, Weights]:
+        weights = Weights()
+        trainer = pl.Trainer(
+            accelerator="gpu", devices=1, strategy=FSDPStrategy(state_dict_type=state_dict_type), max_epochs=epochs,
+            logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+            callbacks=[weights, RankSafe(checkpoint_dir=tmp_path / "ckpt", keep=1, **options)],
+        )  # fmt: skip
+        g = torch.Generator().manual_seed(0)
+        data = torch.utils.data.TensorDataset(torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g))
+        trainer.fit(AdamModel(step_time=0), torch.utils.data.DataLoader(data, batch_size=4))
+        return trainer, weights
+
+    try:
+        first, trained = fit(2)
+        assert first.global_step == 8
+        (step,) = ranksafe.list_steps(tmp_path / "ckpt")
+        assert step.step == 8 and step.status == "committed"
+        # one GPU: FSDP shards nothing (NO_SHARD) and gives full tensors also for "sharded", saved as one file
+        assert (tmp_path / "ckpt" / "step_00000008" / "state.pt").exists()
+        resumed, restored = fit(3, resume=True)
+        assert resumed.global_step == 12
+        assert trained.end.keys() == restored.start.keys()
+        assert all(torch.equal(trained.end[k], restored.start[k]) for k in trained.end)
+        assert not all(torch.equal(restored.start[k], restored.end[k]) for k in restored.end)  # it trained on
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def test_fastai_fit_on_cuda_with_async_saves_resumes(tmp_path):
     pytest.importorskip("fastai")
     import pandas as pd

@@ -33,6 +33,18 @@ def test_model_parallel_steps_commit_sharded_state_and_resume_it_exactly(tmp_pat
     assert stock["seen"]["start 12"] == resumed["seen"]["end 12"]
 
 
+def test_model_parallel_full_checkpoints_resume_into_the_strategys_model_and_optimizer(tmp_path):
+    """``save_distributed_checkpoint=False``: the steps hold one full ``state.pt``. The strategy loads the model's and
+    the optimizers' states inside its own ``load_checkpoint`` (its ``load_model_state_dict`` does nothing), so a
+    resume from a step must load them there too."""
+    first = _report(tmp_path, "--epochs", "2", "--full")
+    full = ["MANIFEST.json", "state.pt"]
+    assert first["steps"] == [[4, "committed", full], [8, "committed", full]]
+    resumed = _report(tmp_path, "--epochs", "3", "--full", "--resume")
+    assert resumed["ckpt_path"] == str(tmp_path / "managed" / "step_00000008" / "state.pt")
+    assert resumed["seen"]["start 8"] == first["seen"]["end 8"]  # every weight and optimizer state, gathered
+
+
 def test_the_sharded_metadata_file_has_lightnings_name():
     import lightning
     from lightning.fabric.utilities import load

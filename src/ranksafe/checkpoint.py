@@ -21,7 +21,7 @@ import contextlib
 import functools
 import os
 import signal
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from . import remote, topology
@@ -344,6 +344,7 @@ class CheckpointManager:
         sharded: bool = False,
         *,
         into: dict[str, Any] | None = None,
+        read: Callable[[str], Any] | None = None,
     ) -> Any:
         """Load step ``step`` (default: :meth:`latest`) on every rank after verifying it; collective.
 
@@ -357,6 +358,10 @@ class CheckpointManager:
         ``DTensor`` objects get this rank's part, resharded to their current mesh and placements; ``Stateful``
         values get their state): build it as for saving, from the model and optimizer of this job, at any
         world size. Every rank checks its share of the step's files first.
+
+        ``read``: what reads the verified step's ``state.pt`` (given its path) in place of ranksafe's reader: a
+        framework's loader that puts the state into the model and optimizers as it reads (``map_location`` and
+        ``weights_only`` are then its business).
         """
         if into is not None and not isinstance(into, Mapping):
             raise TypeError(f"into must be a dict of state to load into, not {type(into).__name__}")
@@ -371,15 +376,19 @@ class CheckpointManager:
                 result = read_shards(into, name_of(self._dirs.place(s)), f"checkpoint {s}: load", weights_only)
             else:
                 with together(f"checkpoint {s}: load", self.timeout):
-                    result = self._read_file(s, map_location, weights_only, sharded)
+                    result = self._read_file(s, map_location, weights_only, sharded, read)
         self.loaded_step = s
         return result
 
-    def _read_file(self, step: int, map_location: Any, weights_only: bool | None, per_rank: bool) -> Any:
+    def _read_file(
+        self, step: int, map_location: Any, weights_only: bool | None, per_rank: bool, read: Callable[[str], Any] | None
+    ) -> Any:
         """Step ``step``'s ``state.pt``, or this rank's file; a step that holds sharded state instead says so."""
         place = self._dirs.place(step)
         path = name_of(join(place, _shard(topology.rank()) if per_rank else STATE))
         try:
+            if read is not None:
+                return read(path)
             return load_file(path, map_location, weights_only, storage_options=self.storage_options)
         except FileNotFoundError:
             if not per_rank and remote.exists(name_of(join(place, METADATA)), self.storage_options):

@@ -19,6 +19,7 @@ parser.add_argument("--out", required=True)
 parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--resume", action="store_true")
 parser.add_argument("--async-save", action="store_true")
+parser.add_argument("--full", action="store_true", help="save_distributed_checkpoint=False: one full checkpoint")
 parser.add_argument("--stock-from", help="a step directory stock Lightning resumes from, without RankSafe")
 args = parser.parse_args()
 
@@ -92,7 +93,8 @@ def main() -> None:
     probe = Probe()
     managed = os.path.join(args.out, "managed")
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+        accelerator="cpu", devices=2, strategy=ModelParallelStrategy(
+            data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=not args.full),
         max_epochs=args.epochs, logger=False, enable_progress_bar=False, enable_model_summary=False,
         enable_checkpointing=False, callbacks=[probe] + ([] if args.stock_from else [RankSafe(checkpoint_dir=managed,
         keep=2, resume=args.resume, async_save=args.async_save)]),

@@ -119,7 +119,7 @@ class SharedCheckpointIO:
             self._io.check()
         step = None if self.manager is None or checkpoint_path is None else self.manager.step_of(checkpoint_path)
         if step is not None:
-            return self.steps.load(trainer, step, checkpoint_path, weights_only)  # type: ignore[union-attr]
+            return self.steps.load(trainer, step, checkpoint_path, weights_only, original)  # type: ignore[union-attr]
         with shared_outcome("Trainer.load_checkpoint", self.timeout):
             return original(checkpoint_path, weights_only=weights_only)
 

@@ -10,12 +10,14 @@ request (and SLURM's requeue) after the preemption step, and a step loaded back 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.strategies import Strategy
 
 from .. import remote
 from ..checkpoint import STATE, CheckpointManager
@@ -142,13 +144,24 @@ class TrainerSteps:
 
     # -- loading ---------------------------------------------------------------------------------------------
 
-    def load(self, trainer: pl.Trainer, step: int, checkpoint_path: Any, weights_only: bool | None) -> Any:
+    def load(
+        self,
+        trainer: pl.Trainer,
+        step: int,
+        checkpoint_path: Any,
+        weights_only: bool | None,
+        original: Callable[..., Any] | None = None,
+    ) -> Any:
         """Step ``step``, named by ``checkpoint_path`` (its ``state.pt`` or its directory), verified against its
-        manifest on every node; what the strategy's ``load_checkpoint`` returns. Collective."""
+        manifest on every node; what the strategy's ``load_checkpoint`` (``original``) returns. A strategy with a
+        ``load_checkpoint`` of its own (FSDP, ModelParallel, DeepSpeed) puts the weights and optimizer states in place
+        there, and its ``load_model_state_dict`` does nothing: it reads the verified ``state.pt`` itself. Collective."""
         fallback, self._resuming = step == self._resuming, None
         if remote.canonical(checkpoint_path) == self.manager.step_dir(step) and self._sharded(step):
             return self._load_sharded(trainer, step, weights_only, fallback)  # named by its directory, as resumed
-        return self.manager.load(None if fallback else step, fallback, weights_only=weights_only)
+        own_loader = original is not None and type(trainer.strategy).load_checkpoint is not Strategy.load_checkpoint
+        read = functools.partial(original, weights_only=weights_only) if own_loader else None
+        return self.manager.load(None if fallback else step, fallback, weights_only=weights_only, read=read)
 
     def _load_sharded(
         self, trainer: pl.Trainer, step: int, weights_only: bool | None, fallback: bool
