@@ -13,6 +13,7 @@ import errno
 import json
 import os
 import pickle
+import shutil
 import signal
 import threading
 import time
@@ -557,6 +558,99 @@ def test_a_step_holds_the_model_checkpoint_state_of_its_epoch_and_a_resume_track
     assert state["callbacks"][best.state_key]["best_model_path"] == best.best_model_path
     resumed, best = _fit_tracked(tmp_path, 5, resume=True)
     assert resumed.global_step == 20 and sorted(os.listdir(tmp_path / "best")) == ["epoch=4-step=20.ckpt"]
+
+
+def test_a_ranksafe_given_to_a_second_fresh_fit_saves_that_fits_steps(tmp_path):
+    """Before: the step number the first fit saved last (4) stayed marked as saved, and the second fit, into the
+    emptied directory, skipped its save of step 4 without a word."""
+    root = tmp_path / "managed"
+    rank_safe = RankSafe(checkpoint_dir=root, keep=None)
+    for _ in range(2):
+        shutil.rmtree(root, ignore_errors=True)
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_progress_bar=False,
+            enable_model_summary=False, enable_checkpointing=False, callbacks=[rank_safe],
+        )  # fmt: skip
+        trainer.fit(Model(step_time=0), _tiny_loader())
+        assert [s.step for s in ranksafe.list_steps(root)] == [4]
+
+
+class EpochCount(pl.LightningModule):
+    """Counts its epochs in a buffer, in its own ``on_train_epoch_end``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+        self.register_buffer("epochs", torch.zeros(()))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.layer(x), y)
+
+    def on_train_epoch_end(self) -> None:
+        self.epochs += 1
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_an_epochs_step_holds_what_the_module_did_at_the_epochs_end(tmp_path):
+    """Without a monitoring callback, the epoch's step was saved before the module's ``on_train_epoch_end`` (Lightning
+    runs the callbacks' first): the step of epoch 2 held 1 epoch counted, and the resumed run ended one short of an
+    uninterrupted one. The wrapper on the module goes at the fit's end."""
+    root = tmp_path / "managed"
+
+    def fit(epochs: int, **options) -> EpochCount:
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=1, max_epochs=epochs, logger=False, enable_progress_bar=False,
+            enable_model_summary=False, enable_checkpointing=False,
+            callbacks=[RankSafe(checkpoint_dir=root, keep=None, **options)],
+        )  # fmt: skip
+        model = EpochCount()
+        trainer.fit(model, _tiny_loader())
+        assert "on_train_epoch_end" not in vars(model)
+        return model
+
+    fit(2)
+    saved = torch.load(root / "step_00000008" / "state.pt", weights_only=True)
+    assert saved["state_dict"]["epochs"].item() == 2
+    assert fit(4, resume=True).epochs.item() == 4
+
+
+def test_a_resume_falls_back_over_a_newest_step_whose_state_is_missing(tmp_path):
+    """Before: a step without ``state.pt`` was taken for a step of sharded state, and its load into the model failed
+    on the older step it fell back to ("holds no sharded state")."""
+    root = tmp_path / "managed"
+    _fit_managed(root, 2, keep=None)  # steps 4 and 8
+    (root / "step_00000008" / "state.pt").unlink()
+    with pytest.warns(RuntimeWarning, match=r"step_00000008/state.pt: missing.*falling back to step 4"):
+        resumed = _fit_managed(root, 3, keep=None, resume=True)
+    assert resumed.global_step == 12 and resumed.callbacks[0].batches == 8
+
+
+def test_a_later_fit_of_the_same_trainer_goes_on_from_memory_with_resume(tmp_path):
+    """Before: ``resume=True`` loaded the newest step (6) into a Trainer that had trained to step 8, and two steps of
+    training were lost without a word; without RankSafe, a second fit goes on from where the first ended."""
+    root = tmp_path / "managed"
+    count = BatchCount()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False,
+        callbacks=[count, RankSafe(checkpoint_dir=root, keep=None, every_n_epochs=None, every_n_train_steps=3,
+                                   resume=True)],
+    )  # fmt: skip
+    model = Model(step_time=0)
+    trainer.fit(model, _tiny_loader())
+    assert trainer.global_step == 8 and [s.step for s in ranksafe.list_steps(root)] == [3, 6]
+    trainer.fit_loop.max_epochs = 3
+    trainer.fit(model, _tiny_loader())
+    assert trainer.ckpt_path is None and trainer.global_step == 12 and count.batches == 12
+
+
+def _tiny_loader() -> torch.utils.data.DataLoader:
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g))
+    return torch.utils.data.DataLoader(data, batch_size=4)
 
 
 def test_a_step_named_after_a_resume_that_failed_loads_as_named(tmp_path):

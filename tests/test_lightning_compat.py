@@ -13,17 +13,25 @@ import pytest
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
+from lightning.pytorch.strategies import (
+    DDPStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+    SingleDeviceStrategy,
+    Strategy,
+)
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 
 from ranksafe.lightning import compat
 from tests.private_names import private_reads_outside_compat
 
 _STRATEGIES = (Strategy, DDPStrategy, SingleDeviceStrategy)
+_OWN_LOADERS = (FSDPStrategy, ModelParallelStrategy)
 WRAPPED = [  # (class, method, the parameters RankSafe's replacement takes)
     *((cls, "save_checkpoint", ["self", "checkpoint", "filepath", "storage_options"]) for cls in _STRATEGIES),
     *((cls, "remove_checkpoint", ["self", "filepath"]) for cls in _STRATEGIES),
-    *((cls, "load_checkpoint", ["self", "checkpoint_path", "weights_only"]) for cls in _STRATEGIES),
+    # FSDP's and ModelParallel's own load_checkpoint reads a step's state.pt (steps.TrainerSteps.load)
+    *((cls, "load_checkpoint", ["self", "checkpoint_path", "weights_only"]) for cls in _STRATEGIES + _OWN_LOADERS),
     *((cls, "optimizer_step", ["self", "optimizer", "closure", "model", "kwargs"]) for cls in _STRATEGIES),
     (ModelCheckpoint, compat.LINK_CHECKPOINT, ["trainer", "filepath", "linkpath"]),  # a staticmethod
     (ModelCheckpoint, compat.MONITOR_CANDIDATES, ["self", "trainer"]),
@@ -36,6 +44,7 @@ WRAPPED = [  # (class, method, the parameters RankSafe's replacement takes)
     (EarlyStopping, "on_train_epoch_end", ["self", "trainer", "pl_module"]),
     (EarlyStopping, "on_train_batch_end", ["self", "trainer", "pl_module", "outputs", "batch", "batch_idx"]),
     (EarlyStopping, "on_validation_end", ["self", "trainer", "pl_module"]),
+    (pl.LightningModule, "on_train_epoch_end", ["self"]),
     (_SignalConnector, "register_signal_handlers", ["self"]),
     (_TrainingEpochLoop, compat.VALIDATION_DUE, ["self", "data_fetcher"]),
 ]

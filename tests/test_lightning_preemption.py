@@ -159,6 +159,12 @@ def test_one_process_a_signal_saves_the_next_step_stops_and_the_next_fit_resumes
     assert validated_after_signal == (4 if stop % 4 == 0 else 0), model.validated  # 4 batches an epoch
     assert ranksafe.CheckpointManager(tmp_path / "ckpt").latest() == stop
     assert {s: signal.getsignal(s) for s in before} == before  # the handlers of before the fit
+    # the preempted RankSafe given to another fit of the same process: it stops before its first step. Before, it
+    # trained one step, saved it as a preemption step and stopped
+    with pytest.warns(RuntimeWarning, match="earlier fit of this process was preempted"):
+        again, not_trained, not_saved = _fit(first)
+    assert again.global_step == stop and not_trained.trained == [] and not_saved == []
+    assert ranksafe.CheckpointManager(tmp_path / "ckpt").latest() == stop
     # the next fit (resume is on with preemption) starts from that step and trains the rest once
     second = RankSafe(checkpoint_dir=tmp_path / "ckpt", keep=None, preemption=True)
     trainer, resumed, saved = _fit(second)

@@ -41,6 +41,11 @@ UNAGREED_REQUEUE = (
     "RankSafe(checkpoint_dir=..., preemption=True) saves at a step every rank agrees on, then requeues"
 )
 """The warning of a multi-rank fit that leaves SLURM's requeue signal to Lightning's handler."""
+PREEMPTED_BEFORE = (
+    "an earlier fit of this process was preempted and its step is committed: this fit trains nothing. End the "
+    "process (check rank_safe.manager.preempted) and go on in the next job with resume=True"
+)
+"""The warning of a fit that a RankSafe starts after it saw a preemption."""
 
 
 def _seconds(interval: timedelta | float | None) -> float | None:
@@ -213,6 +218,8 @@ class RankSafe(SharedCheckpointIO, Callback):
         self._wrap_strategy(trainer, topology.with_other_ranks())
         self._wrap_callbacks(trainer, topology.with_other_ranks())
         if trainer.state.fn == TrainerFn.FITTING:
+            if self.steps is not None:
+                self.steps.start_fit()
             self._take_over_signals(trainer)
 
     def _take_over_signals(self, trainer: pl.Trainer) -> None:
@@ -254,6 +261,8 @@ class RankSafe(SharedCheckpointIO, Callback):
         if self._after_monitors:
             wrap(monitors[-1], "on_train_batch_end", functools.partial(self._hook_then, self._end_step))
             wrap(monitors[-1], "on_train_epoch_end", functools.partial(self._hook_then, self._end_epoch))
+        elif self.steps is not None:  # Lightning runs the module's epoch end after every callback but the monitors'
+            wrap(trainer.lightning_module, "on_train_epoch_end", self._module_epoch_end_then_step)
         for cb in monitors:
             monitor = getattr(cb, "monitor", None)  # a stand-in (a Mock with a spec) may have none
             if isinstance(cb, ModelCheckpoint):
@@ -282,22 +291,21 @@ class RankSafe(SharedCheckpointIO, Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The first step boundary is the end of the first optimizer step, and ``train_time_interval`` counts from
-        now (not from this callback's construction, before the processes, the data and the model were set up)."""
+        now (not from this callback's construction, before the processes, the data and the model were set up). After a
+        preemption in an earlier fit, this one stops before its first step: the job is about to end."""
         self._polled_step = trainer.global_step
         if self.manager is not None:
             self.manager.schedule.saved()
+        if self.steps is not None and self.manager.preempted:  # as fastai's RankSafe: a preempted process stops
+            self.steps.stopped = trainer.should_stop = True
+            if topology.is_main():
+                warnings.warn(PREEMPTED_BEFORE, RuntimeWarning, stacklevel=2)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         """The end of an optimizer step (:meth:`_end_step`): here when no monitoring callback runs after this one,
         else right after the last of them (see ``setup``)."""
         if not self._after_monitors:
             self._end_step(trainer)
-
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Every ``every_n_epochs`` epochs, the Trainer's full checkpoint becomes a committed manager step: here
-        when no monitoring callback runs after this one, else right after the last of them (see ``setup``)."""
-        if not self._after_monitors:
-            self._end_epoch(trainer)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The plugin's teardown (before this hook) waited for the last write: report its outcome everywhere."""
@@ -337,8 +345,10 @@ class RankSafe(SharedCheckpointIO, Callback):
 
     def _undo(self, trainer: pl.Trainer) -> None:
         connectors = (compat.checkpoint_connector(trainer), compat.signal_connector(trainer))
-        for obj in (trainer.strategy, *connectors, compat.epoch_loop(trainer), *trainer.callbacks):
-            unwrap(obj)
+        module = trainer.lightning_module
+        for obj in (trainer.strategy, *connectors, compat.epoch_loop(trainer), *trainer.callbacks, module):
+            if obj is not None:
+                unwrap(obj)
         if self.manager is not None:
             self.manager.schedule.uninstall()
 
@@ -371,6 +381,13 @@ class RankSafe(SharedCheckpointIO, Callback):
         says), then ``end``: this optimizer step's end, or this epoch's manager step."""
         self._unless_stopped(original, trainer, *args)
         end(trainer)
+
+    def _module_epoch_end_then_step(self, original: Callable[..., Any], *args: Any) -> None:
+        """The LightningModule's ``on_train_epoch_end``, then this epoch's manager step (without a monitoring
+        callback): the step holds what the module and every callback did at the epoch's end, as a step saved after
+        the last monitoring callback does."""
+        original(*args)
+        self._end_epoch(original.__self__.trainer)
 
     def _unless_stopped(self, original: Callable[..., Any], trainer: pl.Trainer, *args: Any) -> None:
         """A monitoring callback's hook (a batch's, an epoch's or a validation's end, the end of training), skipped once

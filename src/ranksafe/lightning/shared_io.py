@@ -138,7 +138,9 @@ class SharedCheckpointIO:
                 )
             checkpoint_path = chosen
         fitting = trainer.state.fn == TrainerFn.FITTING
-        resuming = checkpoint_path is None and self.resume and fitting and self.steps is not None
+        # a later fit of the same Trainer goes on from its progress in memory, as it does without RankSafe
+        fresh = trainer.global_step == 0
+        resuming = checkpoint_path is None and self.resume and fitting and fresh and self.steps is not None
         path = self.steps.resuming() if resuming else contextlib.nullcontext(checkpoint_path)  # type: ignore[union-attr]
         with path as checkpoint_path:
             if self.overwrite and fitting:  # the path is agreed by now (and before any save, whatever the strategy)

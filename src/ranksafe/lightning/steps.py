@@ -25,7 +25,7 @@ from ..checkpoint_file import load_file
 from ..collectives import agree, together
 from ..lock import StateDictLock
 from ..preemption import requeue_slurm_job
-from ..sharded import for_dcp
+from ..sharded import METADATA, for_dcp
 from . import compat
 
 
@@ -68,19 +68,23 @@ class TrainerSteps:
             self._resuming = None
 
     def _sharded(self, step: int) -> bool:
-        """Whether ``step`` holds sharded state (no ``state.pt``), decided alike on every rank: a file one rank does
-        not see yet is there for all. Collective."""
-        state = os.path.join(self.manager.step_dir(step), STATE)
-        seen = remote.exists(state, self.manager.storage_options)
-        return not agree(seen, "any", name=f"plain step {step}", timeout=self.manager.timeout)
+        """Whether ``step`` holds sharded state (DCP's ``.metadata``), decided alike on every rank: a file one rank
+        does not see yet is there for all. A plain step that lost its ``state.pt`` is still plain: its load says
+        so, or falls back. Collective."""
+        metadata = os.path.join(self.manager.step_dir(step), METADATA)
+        seen = remote.exists(metadata, self.manager.storage_options)
+        return bool(agree(seen, "any", name=f"sharded step {step}", timeout=self.manager.timeout))
 
     # -- a fit -----------------------------------------------------------------------------------------------
+
+    def start_fit(self) -> None:
+        """At ``setup`` of a fit: nothing of it is saved or stopped yet (a RankSafe may serve several fits)."""
+        self.stopped, self._saved_step = False, None
 
     def prepare_preemption(self, trainer: pl.Trainer) -> None:
         """At ``setup`` of a fit with preemption: this fit may stop once, and SLURM's requeue, if the run's environment
         asks for one, follows the preemption step's commit. Installs nothing (the manager's schedule does, in place of
         Lightning's ``register_signal_handlers``)."""
-        self.stopped = False
         self._requeue = compat.slurm_requeue_signal(trainer)
         handled = self.manager.schedule.signals.signals  # type: ignore[union-attr]
         if self._requeue is not None and self._requeue not in handled:  # else nobody would handle it: the job ends
