@@ -1,7 +1,8 @@
 """``RankSafe``: the Lightning callback that makes a failed or diverging checkpoint step one error on every rank.
 
 From ``setup`` to ``teardown`` (or ``on_exception``) it wraps a few methods of the Trainer's strategy, checkpoint
-connector and monitoring callbacks (:mod:`.wrapped`); the private ones are named in :mod:`.compat`. In a single
+connector and monitoring callbacks, and with ``checkpoint_dir`` and no monitoring callback the LightningModule's
+``on_train_epoch_end`` (:mod:`.wrapped`); the private ones are named in :mod:`.compat`. In a single
 process nothing is shared: only what the plugin, the manager and ``save_last="link"`` need is wrapped.
 """
 
@@ -109,11 +110,11 @@ class RankSafe(SharedCheckpointIO, Callback):
             (then every node keeps its own copy); ``"shared"`` / ``"local"`` say so.
         storage_options: for a ``checkpoint_dir`` on remote storage (``s3://bucket/run``): the options of its fsspec
             file system (``endpoint_url``, ``profile``...); without them it is configured from the environment.
-        resume: ``trainer.fit(model)`` without ``ckpt_path`` starts from the latest step committed on every
-            node (:meth:`latest_checkpoint`), or from scratch when there is none. A damaged step (a file that does
-            not match its manifest) is fallen back over, with a warning, to the newest older one that verifies. An
-            explicit ``ckpt_path`` wins. ``None``: resume when ``preemption`` is on (a requeued job resumes where it
-            stopped).
+        resume: ``trainer.fit(model)`` without ``ckpt_path``, on a Trainer that has not trained yet, starts from the
+            latest step committed on every node (:meth:`latest_checkpoint`), or from scratch when there is none. A
+            damaged step (a file that does not match its manifest) is fallen back over, with a warning, to the newest
+            older one that verifies. An explicit ``ckpt_path`` wins. ``None``: resume when ``preemption`` is on (a
+            requeued job resumes where it stopped).
         async_save: the manager commits each step in the background; a failed commit is raised on every rank
             at the end of the next training step, and ``on_fit_end`` waits for the last one.
         every_n_train_steps: save when ``trainer.global_step`` is a multiple of it, at the end of the training
