@@ -261,3 +261,26 @@ def test_warmup_while_a_commit_is_in_flight_waits_for_it_instead_of_overwriting_
     mgr.warmup({"slow": _SlowToPickle(), "w": torch.full((1000,), 7.0)})  # a second fit's, say
     assert mgr.load(1, weights_only=False)["w"][0].item() == 1.0
     mgr.close()
+
+
+def _one_rank_skips_a_save(rank, root):
+    manager = CheckpointManager(root, keep=2, timeout=3, async_save=True)
+    manager.save(1, {"w": torch.ones(2)})
+    start = time.monotonic()
+    try:
+        if rank == 0:
+            manager.save(2, {"w": torch.ones(2)})
+        else:
+            time.sleep(12)  # past the manager's timeout, well within the environment's
+    except ranksafe.RankFailure as e:
+        return {"type": type(e).__name__, "msg": str(e)[:300], "seconds": time.monotonic() - start}
+    return None
+
+
+def test_an_async_managers_timeout_bounds_its_background_writers_exchanges(tmp_path):
+    """Before: the background writer's exchanges (the check an async save starts with, close) waited
+    ``RANKSAFE_TIMEOUT`` whatever the manager's ``timeout``: here 60 s, by default 30 minutes."""
+    ranks = run_ranks(_one_rank_skips_a_save, 2, args=(str(tmp_path / "ckpt"),), env={"RANKSAFE_TIMEOUT": "60"})
+    waited = ranks.values[0]
+    assert waited is not None and waited["type"] == "BarrierTimeout", waited
+    assert "after 3s" in waited["msg"] and "rank(s) 1" in waited["msg"] and waited["seconds"] < 10, waited

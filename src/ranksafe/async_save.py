@@ -25,7 +25,7 @@ from . import remote
 from .after_commit import AfterCommit, WriteState
 from .checkpoint_file import probe_write, save_file
 from .choice import Choice
-from .collectives import together
+from .collectives import checked_timeout, together
 from .errors import naming_target
 from .files import local_path
 from .lock import StateDictLock
@@ -68,6 +68,8 @@ class AsyncSaver:
             without launcher variables (``mp.spawn``), the nodes are learned from the ranks' host names the first
             time: call :meth:`warmup`, or the first save, on every rank.
         name: names the collectives of this saver (every rank must use the same).
+        timeout: how long its collectives (:meth:`warmup`, :meth:`check`, :meth:`close`) wait for the other ranks,
+            in seconds (None: ``RANKSAFE_TIMEOUT``, else 30 minutes).
 
     Local calls (any rank, any time; but see ``writer``): :meth:`save`, :meth:`submit`, :meth:`after_commit`,
     :meth:`stage`, :meth:`wait`, :meth:`shutdown`, :attr:`failed`. Collectives (every rank, same order):
@@ -84,8 +86,10 @@ class AsyncSaver:
         on_commit: OnCommit | None = None,
         writer: Writer | str = Writer.MAIN,
         name: str = "async save",
+        timeout: float | None = None,
     ) -> None:
         self.lock = lock
+        self.timeout = checked_timeout(timeout)
         self.policy = BusyPolicy(policy)
         self.on_commit = on_commit
         self.writer = Writer(writer)
@@ -311,7 +315,7 @@ class AsyncSaver:
         check (see :meth:`save`).
         """
         self._not_from_writer_thread("check")
-        check_savers([self], self.name)
+        check_savers([self], self.name, timeout=self.timeout)
 
     def take_error(self) -> BaseException | None:
         """This rank's unreported failure, now marked as reported; local. :func:`~ranksafe.saver_failures.check_savers`
@@ -348,7 +352,7 @@ class AsyncSaver:
         """
         url = remote.is_url(directory)
         directory = remote.Remote.of(directory, storage_options).url if url else local_path(directory)
-        with together(f"{self.name}: warmup {directory}"):
+        with together(f"{self.name}: warmup {directory}", self.timeout):
             if self.writer is not Writer.ALL:
                 refuse_sharded(example_state, f"{self.name}: warmup {directory}")
             if is_writer(self.writer):
@@ -364,7 +368,7 @@ class AsyncSaver:
         checks at its next step is a :class:`~ranksafe.CollectiveMismatch` on both, not a pair that goes on."""
         self.shutdown()
         self._not_from_writer_thread("close")
-        check_savers([self], self.name, point="close")
+        check_savers([self], self.name, point="close", timeout=self.timeout)
 
     def __enter__(self) -> AsyncSaver:
         return self

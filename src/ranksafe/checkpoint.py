@@ -109,7 +109,7 @@ class CheckpointManager:
         self._dirs = StepDirs(self._base, prefix)
         self._kept = KeptSteps(self._dirs, self.retention)  # which steps count, and retention after each commit
         # writer="all": this manager, not the saver, decides who writes (the storage placement)
-        self._saver = AsyncSaver(lock, writer="all", name="checkpoint") if async_save else None
+        self._saver = AsyncSaver(lock, writer="all", name="checkpoint", timeout=self.timeout) if async_save else None
         self.schedule.install()
 
     # -- schedules and preemption ---------------------------------------------------------------------

@@ -22,12 +22,15 @@ if TYPE_CHECKING:
     from .async_save import AsyncSaver
 
 
-def check_savers(savers: Iterable[AsyncSaver], name: str = "async save", point: str = "check") -> None:
+def check_savers(
+    savers: Iterable[AsyncSaver], name: str = "async save", point: str = "check", timeout: float | None = None
+) -> None:
     """:meth:`~ranksafe.AsyncSaver.check` for several savers at the price of one exchange; collective.
 
     Raises :class:`~ranksafe.RankFailure` on every rank if a background write of any of them failed on any
     rank. One failure per call is reported (the first saver's); another saver's stays pending for the next.
     ``point`` names where in training the check is (``check``, ``close``): ranks at different points mismatch.
+    ``timeout``: how long to wait for the other ranks (None: the default, ``RANKSAFE_TIMEOUT``).
     The same exchange carries the paths each saver was given since the last check: where a rank gave one that its
     writer did not (``save(state, f"model_{rank}.pt")`` with one writer), every rank raises ``ValueError``.
     When the exchange itself fails (a rank missing, ranks elsewhere), the failure and the paths taken for it stay
@@ -45,7 +48,9 @@ def check_savers(savers: Iterable[AsyncSaver], name: str = "async save", point: 
         owner.carried_by = None
     asked = [(writer_group(saver.writer), saver.take_asked()) for saver in savers]
     try:
-        apart = exchange_outcome(f"outcome:{name}: {point}", asked, err, _apart_per_saver, what=f"{name}: {point}")
+        apart = exchange_outcome(
+            f"outcome:{name}: {point}", asked, err, _apart_per_saver, timeout, what=f"{name}: {point}"
+        )
     except RankFailure as e:
         unexchanged = isinstance(e, (BarrierTimeout, CollectiveMismatch))
         # decided without this rank's failure (a rank gone, ranks out of step): reported later, or printed at exit

@@ -215,7 +215,7 @@ class RankSafe(SharedCheckpointIO, Callback):
         self._failed, self._stopping_read = False, None
         self._io = _async_io(trainer)
         if self._io is not None:
-            self._io._attach()
+            self._io._attach(self.timeout)
         self._wrap_strategy(trainer, topology.with_other_ranks())
         self._wrap_callbacks(trainer, topology.with_other_ranks())
         if trainer.state.fn == TrainerFn.FITTING:

@@ -161,7 +161,10 @@ class RankSafeCheckpointIO(CheckpointIO):
                 self._saver.check()  # one process: raises the original error and marks it reported
             raise self._saver.take_error()  # type: ignore[misc]  # other ranks may be gone: no collective here
 
-    def _attach(self) -> None:
-        """Called by RankSafe at setup: a run begins (saves are asynchronous again) and RankSafe checks."""
+    def _attach(self, timeout: float | None) -> None:
+        """Called by RankSafe at setup: a run begins (saves are asynchronous again) and RankSafe checks, waiting
+        ``timeout`` (RankSafe's) for the other ranks."""
         self._torn_down = False
         self._agreed_check = True
+        if self.async_save:
+            self.saver.timeout = timeout
