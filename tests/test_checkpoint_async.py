@@ -284,3 +284,20 @@ def test_an_async_managers_timeout_bounds_its_background_writers_exchanges(tmp_p
     waited = ranks.values[0]
     assert waited is not None and waited["type"] == "BarrierTimeout", waited
     assert "after 3s" in waited["msg"] and "rank(s) 1" in waited["msg"] and waited["seconds"] < 10, waited
+
+
+def test_a_second_manager_of_the_root_leaves_a_step_committing_in_the_background(tmp_path):
+    """Before: the second manager's save took the first one's step, still being written, for the debris of a crashed
+    save and removed it; the first commit then failed, and step 1 was lost."""
+    root = tmp_path / "ckpt"
+    training = Gated(root, keep=3, async_save=True)
+    training.gate = threading.Event()
+    training.save(1, {"w": torch.ones(4)})  # its commit waits for the gate
+    assert os.listdir(root) == [".step_00000001.ranksafe-partial"]
+    CheckpointManager(root, keep=3).save(2, {"w": torch.full((4,), 2.0)})  # e.g. a helper that makes its own
+    training.gate.set()
+    training.wait()
+    training.check()
+    assert [s.step for s in ranksafe.list_steps(root)] == [1, 2]
+    assert training.load(1)["w"].tolist() == [1.0] * 4
+    training.close()

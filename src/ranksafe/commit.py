@@ -85,6 +85,15 @@ def name_of(place: Place) -> str:
     return place.url if isinstance(place, Remote) else place
 
 
+_WRITING: set[str] = set()  # the temporary places of this process's saves, from create() to the commit or the abort
+
+
+def being_written(place: Place) -> bool:
+    """Whether a save of this process is writing ``place`` now: it looks like the debris of a crashed save, but is not
+    (two managers of one root, one of them committing in the background)."""
+    return name_of(place) in _WRITING
+
+
 class DirCommit(Protocol):
     """What :class:`~ranksafe.CheckpointManager` needs of a commit protocol (see the module's table)."""
 
@@ -127,6 +136,7 @@ class AtomicDir:
         shutil.rmtree(self.tmp, ignore_errors=True)
         make_dirs(self.parent)
         os.mkdir(self.tmp)
+        _WRITING.add(self.tmp)
 
     def finalize(self, manifest: Mapping[str, Any]) -> None:
         with atomic_write(os.path.join(self.tmp, MANIFEST), "w") as f:
@@ -138,12 +148,14 @@ class AtomicDir:
             os.rename(self.final, self._old)
         os.rename(self.tmp, self.final)
         self.committed = True
+        _WRITING.discard(self.tmp)
         fsync_dir(self.parent)
         if replaced:
             shutil.rmtree(self._old, ignore_errors=True)
 
     def abort(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
+        _WRITING.discard(self.tmp)
 
     def recover(self) -> bool:
         """Put the committed directory back where a crash left it aside: between the two renames of
@@ -174,14 +186,17 @@ class ObjectDir:
 
     def create(self) -> None:
         self.delete()
+        _WRITING.add(self.final.url)
 
     def finalize(self, manifest: Mapping[str, Any]) -> None:
         with open_for_commit(self.final.child(MANIFEST)) as f:
             f.write(json.dumps(manifest, indent=1).encode())
         self.committed = True
+        _WRITING.discard(self.final.url)
 
     def abort(self) -> None:
         self.final.remove()
+        _WRITING.discard(self.final.url)
 
     def recover(self) -> bool:
         return False  # nothing is ever moved aside

@@ -21,6 +21,7 @@ from .commit import (
     MANIFEST,
     AtomicDir,
     Place,
+    being_written,
     check_name,
     join,
     name_of,
@@ -177,11 +178,12 @@ class StepDirs:
 
     def clean_debris(self) -> set[int]:
         """Remove what crashed saves and deletions of these steps left, once a committed step among it is put back
-        (:meth:`AtomicDir.recover`). On remote storage that is every step without its manifest. Returns the steps
-        the listing named, less those removed whole: the places where a committed step may be now."""
+        (:meth:`AtomicDir.recover`). On remote storage that is every step without its manifest. A place that a save
+        of this process is writing is no debris: another manager of the same root may be committing it. Returns the
+        steps the listing named, less those removed whole: the places where a committed step may be now."""
         if isinstance(self.base, Remote):
             steps = {p.step for p in self._parsed() if not p.suffix}
-            uncommitted = {step for step in steps if not self._has_manifest(step)}
+            uncommitted = {s for s in steps if not self._has_manifest(s) and not being_written(self.place(s))}
             for step in uncommitted:
                 self.place(step).remove()
             return steps - uncommitted
@@ -191,9 +193,8 @@ class StepDirs:
             if parsed is None:
                 continue
             steps.add(parsed.step)  # debris too: recover() may put the step's committed directory back
-            if parsed.suffix:
+            if parsed.suffix and not being_written(debris := os.path.join(self.base, name)):
                 AtomicDir(self.place(parsed.step)).recover()
-                debris = os.path.join(self.base, name)
                 if os.path.lexists(debris):  # not the copy recover() just put back
                     shutil.rmtree(debris, ignore_errors=True)
         return steps
