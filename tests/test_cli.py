@@ -78,6 +78,13 @@ def test_verify_files_and_step_directories(tmp_path, capsys):
     shutil.copytree(manager.step_dir(1), partial)
     code, out = _cli(capsys, "verify", str(partial))
     assert code == 1 and out.startswith(f"BAD {partial}: not committed: a save in progress"), out
+    # a directory without a manifest: was "corrupt checkpoint .../MANIFEST.json: no manifest", where ls says incomplete
+    for directory in (tmp_path / "run" / "step_00000007", tmp_path / "plain"):
+        directory.mkdir()
+        code, out = _cli(capsys, "verify", str(directory))
+        assert code == 1 and out.startswith(f"BAD {directory}: no MANIFEST.json: not a committed step"), out
+    code, out = _cli(capsys, "ls", str(tmp_path / "nothing"))  # was "not a directory"
+    assert code == 1 and out.startswith(f"BAD {tmp_path / 'nothing'}: does not exist"), out
 
 
 def test_doctor_under_torchrun(tmp_path):

@@ -341,6 +341,10 @@ def test_preemption_and_intervals_need_a_checkpoint_dir():
         RankSafe(async_save=True)  # would write nothing in the background, silently
     with pytest.raises(ValueError, match=r"RankSafe\(every=...\) needs a checkpoint_dir"):
         RankSafe(every=2)
+    with pytest.raises(ValueError, match=r"RankSafe\(storage=...\) needs a checkpoint_dir"):
+        RankSafe(storage="shared")
+    with pytest.raises(ValueError, match=r"RankSafe\(storage_options=...\) needs a checkpoint_dir"):
+        RankSafe(storage_options={"anon": True})
     with pytest.raises(ValueError, match="checkpoint_dir must name a directory, not ''"):
         RankSafe(checkpoint_dir="")
     with pytest.raises(ValueError, match="save_interval_steps must be a positive"):

@@ -302,9 +302,11 @@ def test_the_metrics_that_rank_or_name_a_checkpoint_are_agreed_in_one_exchange()
         ({"async_save": True}, r"RankSafe\(async_save=...\) needs a checkpoint_dir"),
         ({"every_n_epochs": 2}, r"RankSafe\(every_n_epochs=...\) needs a checkpoint_dir"),
         ({"storage": "nfs"}, "Storage takes 'auto', 'shared', 'local', not 'nfs'"),
+        ({"storage": "local"}, r"RankSafe\(storage=...\) needs a checkpoint_dir"),
+        ({"storage_options": {"anon": True}}, r"RankSafe\(storage_options=...\) needs a checkpoint_dir"),
         ({"checkpoint_dir": ""}, "root must name a directory, not ''"),
     ],
-    ids=["async_save", "every_n_epochs", "storage", "empty dir"],
+    ids=["async_save", "every_n_epochs", "storage", "storage without a dir", "storage_options", "empty dir"],
 )
 def test_options_that_would_be_ignored_or_land_in_the_working_directory_are_refused(kwargs, said):
     with pytest.raises(ValueError, match=said):

@@ -70,6 +70,10 @@ def verify(path: str) -> int:
         if kind == "step" and (uncommitted := _uncommitted(path)):
             print(f"BAD {path}: {uncommitted}", file=sys.stderr)
             return 1
+        if kind == "directory":  # as `ls` lists a step directory without its manifest: incomplete
+            print(f"BAD {path}: no {MANIFEST}: not a committed step (a save that never committed, or no step at all)",
+                  file=sys.stderr)  # fmt: skip
+            return 1
         if kind != "file":
             manifest = verify_step(path, deep=True)
             files = manifest["files"]
@@ -90,7 +94,7 @@ def verify(path: str) -> int:
 def ls(root: str, deep: bool) -> int:
     """List the step directories under ``root`` with their status, size and time; exit 1 if one is corrupt."""
     if not remote.is_url(root) and not os.path.isdir(root):
-        print(f"BAD {root}: not a directory", file=sys.stderr)
+        print(f"BAD {root}: {'not a directory' if os.path.exists(root) else 'does not exist'}", file=sys.stderr)
         return 1
     try:
         steps = list_steps(root, deep=deep)

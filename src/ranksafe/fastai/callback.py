@@ -98,6 +98,7 @@ class RankSafe(Callback):
         needs_checkpoint_dir(
             checkpoint_dir, resume=resume, async_save=async_save, preemption=preemption, every=every != 1,
             save_interval_steps=save_interval_steps, save_interval_seconds=save_interval_seconds,
+            storage=Storage(storage) is not Storage.AUTO, storage_options=storage_options,
         )  # fmt: skip
         self.checkpoint_dir, self.keep, self.every, self.storage = checkpoint_dir, keep, every, Storage(storage).value
         self.async_save, self.resume_pending = async_save, resume

@@ -158,11 +158,12 @@ class RankSafe(SharedCheckpointIO, Callback):
         if not isinstance(preemption, bool):
             preemption = tuple(preemption)
         self.resume = bool(preemption) if resume is None else resume
+        storage = Storage(storage)  # refused now also without a checkpoint_dir
         needs_checkpoint_dir(
             checkpoint_dir, preemption=preemption, every_n_train_steps=every_n_train_steps,
             train_time_interval=seconds, resume=self.resume, async_save=async_save, every_n_epochs=every_n_epochs,
+            storage=storage is not Storage.AUTO, storage_options=storage_options,
         )  # fmt: skip
-        storage = Storage(storage)  # refused now also without a checkpoint_dir
         self.overwrite = overwrite
         self.monitors = MonitorAgreement(monitor_op)
         self.timeout = checked_timeout(timeout)
