@@ -579,6 +579,14 @@ def test_a_manifest_damaged_into_other_valid_json_is_corrupt_on_every_rank_and_f
     assert "BAD" in err and "damaged manifest entry" in err and "Traceback" not in err
 
 
+def test_a_save_under_a_root_that_is_a_file_names_the_root_and_the_rank(tmp_path):
+    """Before: ``[Errno 20] Not a directory: '.../ckpt'``, without the step or the rank."""
+    root = tmp_path / "ckpt"
+    root.write_text("a file where the checkpoint root should be")
+    with pytest.raises(NotADirectoryError, match=rf"cannot save step 1 under {root} \(rank 0\): Not a directory"):
+        CheckpointManager(root).save(1, _state(1))
+
+
 def _latest_of_a_file(rank, root):
     start = time.monotonic()
     try:

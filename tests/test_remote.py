@@ -361,7 +361,7 @@ def test_manager_on_s3_on_two_ranks(s3):
         assert out["files"] == ["rank-0.pt", "rank-1.pt", "state.pt"]
         # found missing by the writer's listing, before anything is written (before: at the upload of state.pt)
         assert out["failed put"].startswith("RankFailure[FileNotFoundError]: checkpoint 1: create failed on rank 0")
-        assert "no such bucket: ckpt-gone: 's3://ckpt-gone/run'" in out["failed put"]
+        assert "cannot save step 1 under s3://ckpt-gone/run (rank 0): no such bucket: ckpt-gone" in out["failed put"]
         assert "memory://per-process (rank 1) does not see what rank 0 wrote" in out["memory"]
         assert out["memory left"] == []
     assert [s.step for s in ranksafe.list_steps("s3://ckpt/two")] == [2, 3]

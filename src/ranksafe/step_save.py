@@ -86,7 +86,9 @@ def open_step(
 def _create(commit: DirCommit, step: int, kept: KeptSteps) -> None:
     """The writer's part of the first exchange: clear what crashed saves left, refuse a step the root's newest step
     would shadow, or one whose committed copy a failed save would lose, then create the temporary place."""
-    root, left = name_of(kept.dirs.base), kept.dirs.clean_debris()
+    root = name_of(kept.dirs.base)
+    with naming_target(f"cannot save step {step} under", root):  # a file where the root must go, a missing permission
+        left = kept.dirs.clean_debris()
     if (newest := kept.dirs.newest(left - kept.passed_over)) is not None and step < newest:
         raise ValueError(
             f"checkpoint {step}: {root} holds step {newest} already: latest() and a resume would take step {newest}, "
@@ -97,7 +99,8 @@ def _create(commit: DirCommit, step: int, kept: KeptSteps) -> None:
             f"checkpoint {step}: step {step} is committed under {root} already, and remote storage cannot replace it "
             "in one move: a failed save would lose it. Save it under a new step number"
         )
-    commit.create()
+    with naming_target(f"cannot save step {step} under", root):
+        commit.create()
 
 
 def agree_written(
