@@ -587,6 +587,26 @@ def test_a_save_under_a_root_that_is_a_file_names_the_root_and_the_rank(tmp_path
         CheckpointManager(root).save(1, _state(1))
 
 
+def test_a_step_saved_again_is_not_put_back_by_another_manager_while_it_is_replaced(tmp_path, monkeypatch):
+    """Before: between the two renames that replace a committed step, another manager of the root took the copy set
+    aside for a crash's and put it back; the new copy's rename then failed, and the save was lost."""
+    root = tmp_path / "ckpt"
+    saving, other = CheckpointManager(root, keep=None), CheckpointManager(root, keep=None)
+    saving.save(1, {"w": torch.ones(2)})
+    rename, seen = os.rename, []
+
+    def listing_in_between(src, dst, *args, **kwargs):
+        rename(src, dst, *args, **kwargs)
+        if str(dst).endswith(AtomicDir.OLD):
+            seen.append(other.latest())
+
+    monkeypatch.setattr(os, "rename", listing_in_between)
+    saving.save(1, {"w": torch.full((2,), 2.0)})
+    monkeypatch.undo()
+    assert seen == [None]  # the step is aside for a moment: not committed, and not put back
+    assert saving.load(1)["w"].tolist() == [2.0, 2.0]
+
+
 def _latest_of_a_file(rank, root):
     start = time.monotonic()
     try:

@@ -145,13 +145,18 @@ class AtomicDir:
         replaced = os.path.isdir(self.final)
         if replaced:
             shutil.rmtree(self._old, ignore_errors=True)
-            os.rename(self.final, self._old)
-        os.rename(self.tmp, self.final)
-        self.committed = True
-        _WRITING.discard(self.tmp)
-        fsync_dir(self.parent)
-        if replaced:
-            shutil.rmtree(self._old, ignore_errors=True)
+            _WRITING.add(self._old)  # aside for a moment, not by a crash: recover() must not put it back meanwhile
+        try:
+            if replaced:
+                os.rename(self.final, self._old)
+            os.rename(self.tmp, self.final)
+            self.committed = True
+            _WRITING.discard(self.tmp)
+            fsync_dir(self.parent)
+            if replaced:
+                shutil.rmtree(self._old, ignore_errors=True)
+        finally:  # a failed rename leaves the old copy aside for recover() to put back
+            _WRITING.discard(self._old)
 
     def abort(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -161,7 +166,7 @@ class AtomicDir:
         """Put the committed directory back where a crash left it aside: between the two renames of
         :meth:`finalize` replacing it, only the old copy (moved aside) and the new one (still temporary) exist.
         True if it did; the new copy stays debris, as it would be had the crash come before the renames."""
-        if os.path.isdir(self._old) and not os.path.exists(self.final):
+        if os.path.isdir(self._old) and not os.path.exists(self.final) and not being_written(self._old):
             os.rename(self._old, self.final)
             return True
         return False
