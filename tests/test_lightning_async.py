@@ -9,6 +9,7 @@ background failure raised on both ranks within one step with the previous checkp
 
 from __future__ import annotations
 
+import copy
 import errno
 import json
 import os
@@ -615,6 +616,76 @@ def test_an_epochs_step_holds_what_the_module_did_at_the_epochs_end(tmp_path):
     saved = torch.load(root / "step_00000008" / "state.pt", weights_only=True)
     assert saved["state_dict"]["epochs"].item() == 2
     assert fit(4, resume=True).epochs.item() == 4
+
+
+def test_a_copy_of_the_module_taken_during_the_fit_saves_nothing_for_that_fit(tmp_path):
+    """The module's ``on_train_epoch_end`` is wrapped during a fit without monitoring callbacks. Before, a copy of the
+    module taken then (an EMA's, a pickle) kept the wrapper and a copy of RankSafe, and each epoch a Trainer later
+    trained the copy for ended saved a step into the first run's directory (here: refused, step 4 under step 8)."""
+    root = tmp_path / "managed"
+    copies: list[pl.LightningModule] = []
+
+    class CopyAtStart(pl.Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            copies.append(copy.deepcopy(pl_module))
+
+    def trainer(*callbacks: pl.Callback) -> pl.Trainer:
+        return pl.Trainer(
+            accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_progress_bar=False,
+            enable_model_summary=False, enable_checkpointing=False, callbacks=list(callbacks),
+        )  # fmt: skip
+
+    trainer(CopyAtStart(), RankSafe(checkpoint_dir=root, keep=None)).fit(EpochCount(), _tiny_loader())
+    trainer().fit(copies[0], _tiny_loader())
+    assert [s.step for s in ranksafe.list_steps(root)] == [4, 8]
+    assert copies[0].epochs.item() == 2  # its own hook still ran
+
+
+def test_a_hook_set_on_the_module_instance_runs_before_the_epochs_step(tmp_path):
+    """Before: the wrapper took the Trainer from the hook it wraps (``original.__self__``), which a function set on
+    the instance does not have: the fit failed at the first epoch's end."""
+    root = tmp_path / "managed"
+    model, seen = Model(step_time=0), []
+    model.on_train_epoch_end = lambda: seen.append(model.trainer.current_epoch)
+    pl.Trainer(
+        accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, callbacks=[RankSafe(checkpoint_dir=root, keep=None)],
+    ).fit(model, _tiny_loader())  # fmt: skip
+    assert seen == [0, 1] and [s.step for s in ranksafe.list_steps(root)] == [4, 8]
+    assert isinstance(vars(model)["on_train_epoch_end"], type(lambda: None))  # the user's, put back
+
+
+class ManualSteps(Model):
+    """Manual optimization with the raw optimizer: ``trainer.global_step`` stays 0 however much it trains."""
+
+    def __init__(self) -> None:
+        super().__init__(step_time=0)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers(use_pl_optimizer=False)
+        optimizer.zero_grad()
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss)
+        optimizer.step()
+
+
+def test_a_later_fit_under_manual_optimization_goes_on_from_memory_with_resume(tmp_path):
+    """Before: ``global_step == 0`` said that the Trainer had not trained, and the second fit reloaded the newest step
+    (the first fit's end) over the progress in memory, training its epoch again."""
+    count = BatchCount()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False,
+        callbacks=[count, RankSafe(checkpoint_dir=tmp_path / "managed", keep=None, every_n_epochs=2, resume=True)],
+    )  # fmt: skip
+    model = ManualSteps()
+    trainer.fit(model, _tiny_loader())
+    for epochs in (3, 4):
+        trainer.fit_loop.max_epochs = epochs
+        trainer.fit(model, _tiny_loader())
+        assert trainer.ckpt_path is None
+    assert trainer.global_step == 0 and count.batches == 16  # every epoch once
 
 
 def test_a_resume_falls_back_over_a_newest_step_whose_state_is_missing(tmp_path):

@@ -90,6 +90,7 @@ def test_the_trainer_has_the_training_epoch_loop_ranksafe_wraps():
     trainer = pl.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False)
     where = f"Lightning {lightning.__version__}: Trainer.fit_loop.epoch_loop"
     assert isinstance(compat.epoch_loop(trainer), _TrainingEpochLoop), f"{where} is gone or of another class"
+    assert compat.trained_batches(trainer) == 0, f"{where}.batch_progress.total.completed is gone"
 
 
 def test_lightnings_slurm_handler_still_requeues_with_the_command_ranksafe_runs_in_its_place():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import warnings
+import weakref
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
@@ -43,7 +44,8 @@ UNAGREED_REQUEUE = (
 )
 """The warning of a multi-rank fit that leaves SLURM's requeue signal to Lightning's handler."""
 PREEMPTED_BEFORE = (
-    "an earlier fit of this process was preempted and its step is committed: this fit trains nothing. End the "
+    "an earlier fit of this process was preempted and its step is committed: this fit stops before its first step "
+    "(unless min_steps or min_epochs keep it going, as they keep a stopped fit going) and saves nothing. End the "
     "process (check rank_safe.manager.preempted) and go on in the next job with resume=True"
 )
 """The warning of a fit that a RankSafe starts after it saw a preemption."""
@@ -181,6 +183,7 @@ class RankSafe(SharedCheckpointIO, Callback):
         self._polled_step = -1  # the optimizer step whose end was last checked (savers, schedule)
         self._failed = False  # Lightning is handling an exception of this stage: its saves wait less for the others
         self._stopping_read = None
+        self._saving_for: weakref.ref[pl.Trainer] | None = None  # the fit whose epoch ends the module's wrapper saves
 
     def _new_steps(self) -> TrainerSteps | None:
         return None if self._steps_args is None else TrainerSteps(self.lock, **self._steps_args)
@@ -192,7 +195,7 @@ class RankSafe(SharedCheckpointIO, Callback):
 
     def __getstate__(self) -> dict[str, Any]:
         """``ddp_spawn`` pickles the callbacks with the Trainer: locks and threads are made anew in the worker."""
-        return {**self.__dict__, "lock": None, "steps": None, "_io": None}
+        return {**self.__dict__, "lock": None, "steps": None, "_io": None, "_saving_for": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -264,6 +267,7 @@ class RankSafe(SharedCheckpointIO, Callback):
             wrap(monitors[-1], "on_train_batch_end", functools.partial(self._hook_then, self._end_step))
             wrap(monitors[-1], "on_train_epoch_end", functools.partial(self._hook_then, self._end_epoch))
         elif self.steps is not None:  # Lightning runs the module's epoch end after every callback but the monitors'
+            self._saving_for = weakref.ref(trainer)  # not in a copy of the module (or of this callback)
             wrap(trainer.lightning_module, "on_train_epoch_end", self._module_epoch_end_then_step)
         for cb in monitors:
             monitor = getattr(cb, "monitor", None)  # a stand-in (a Mock with a spec) may have none
@@ -346,6 +350,7 @@ class RankSafe(SharedCheckpointIO, Callback):
         self._undo(trainer)
 
     def _undo(self, trainer: pl.Trainer) -> None:
+        self._saving_for = None
         connectors = (compat.checkpoint_connector(trainer), compat.signal_connector(trainer))
         module = trainer.lightning_module
         for obj in (trainer.strategy, *connectors, compat.epoch_loop(trainer), *trainer.callbacks, module):
@@ -387,9 +392,12 @@ class RankSafe(SharedCheckpointIO, Callback):
     def _module_epoch_end_then_step(self, original: Callable[..., Any], *args: Any) -> None:
         """The LightningModule's ``on_train_epoch_end``, then this epoch's manager step (without a monitoring
         callback): the step holds what the module and every callback did at the epoch's end, as a step saved after
-        the last monitoring callback does."""
+        the last monitoring callback does. In a copy of the module taken during the fit (an EMA's, a pickle), whose
+        copy of this callback belongs to no fit, only the module's hook."""
         original(*args)
-        self._end_epoch(original.__self__.trainer)
+        trainer = None if self._saving_for is None else self._saving_for()
+        if trainer is not None:
+            self._end_epoch(trainer)
 
     def _unless_stopped(self, original: Callable[..., Any], trainer: pl.Trainer, *args: Any) -> None:
         """A monitoring callback's hook (a batch's, an epoch's or a validation's end, the end of training), skipped once

@@ -75,6 +75,13 @@ def epoch_loop(trainer: pl.Trainer) -> Any:
     return trainer.fit_loop.epoch_loop
 
 
+def trained_batches(trainer: pl.Trainer) -> int:
+    """The training batches this Trainer has completed, over all its fits (restored from a checkpoint it resumed
+    from). ``trainer.global_step`` counts optimizer steps, which stay 0 under manual optimization without Lightning's
+    optimizer wrapper."""
+    return epoch_loop(trainer).batch_progress.total.completed
+
+
 def signal_connector(trainer: pl.Trainer) -> Any:
     """The Trainer's signal connector (see :data:`SIGNAL_CONNECTOR`)."""
     return getattr(trainer, SIGNAL_CONNECTOR)

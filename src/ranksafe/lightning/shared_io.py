@@ -26,6 +26,7 @@ from ..files import atomic_link
 from ..lock import StateDictLock
 from ..monitor import MonitorAgreement
 from ..saving import prepare_dir
+from . import compat
 from .io import RankSafeCheckpointIO
 from .steps import TrainerSteps
 
@@ -139,7 +140,7 @@ class SharedCheckpointIO:
             checkpoint_path = chosen
         fitting = trainer.state.fn == TrainerFn.FITTING
         # a later fit of the same Trainer goes on from its progress in memory, as it does without RankSafe
-        fresh = trainer.global_step == 0
+        fresh = compat.trained_batches(trainer) == 0
         resuming = checkpoint_path is None and self.resume and fitting and fresh and self.steps is not None
         path = self.steps.resuming() if resuming else contextlib.nullcontext(checkpoint_path)  # type: ignore[union-attr]
         with path as checkpoint_path:
