@@ -607,6 +607,31 @@ def test_a_step_saved_again_is_not_put_back_by_another_manager_while_it_is_repla
     assert saving.load(1)["w"].tolist() == [2.0, 2.0]
 
 
+def test_retention_leaves_a_step_that_is_being_saved_again(tmp_path):
+    """Before: retention renamed the committed step onto its temporary name, which a save of the same step (by another
+    manager of the root) was writing: that save's directory was gone."""
+    root = tmp_path / "ckpt"
+    CheckpointManager(root, keep=None).save(1, {"w": torch.ones(2)})
+    again = AtomicDir(os.path.join(root, "step_00000001"))
+    again.create()  # the step saved again, in progress
+    CheckpointManager(root, keep=1).save(2, {"w": torch.ones(2)})  # retention would delete step 1
+    assert os.path.isdir(again.tmp) and os.path.isdir(again.final)
+    again.abort()
+
+
+def test_recover_gives_up_when_the_copy_aside_is_gone_meanwhile(tmp_path, monkeypatch):
+    """A save of this process may end its swap between recover()'s look and its rename: nothing is aside any more,
+    which is no error."""
+    step = AtomicDir(tmp_path / "step_00000001")
+    os.mkdir(step._old)
+
+    def gone(src, dst):
+        raise FileNotFoundError(src)
+
+    monkeypatch.setattr(os, "rename", gone)
+    assert step.recover() is False
+
+
 def _latest_of_a_file(rank, root):
     start = time.monotonic()
     try:

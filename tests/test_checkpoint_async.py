@@ -301,3 +301,36 @@ def test_a_second_manager_of_the_root_leaves_a_step_committing_in_the_background
     assert [s.step for s in ranksafe.list_steps(root)] == [1, 2]
     assert training.load(1)["w"].tolist() == [1.0] * 4
     training.close()
+
+
+class Interrupting:
+    """Ctrl-C while the snapshot copies it: non-tensors are deep-copied then."""
+
+    def __deepcopy__(self, memo):
+        raise KeyboardInterrupt
+
+
+def test_a_ctrl_c_in_an_async_snapshot_leaves_no_step_behind(tmp_path):
+    """Before: the step's temporary stayed on disk, and marked as being written, no save of the process removed it."""
+    root = tmp_path / "ckpt"
+    manager = CheckpointManager(root, keep=3, async_save=True)
+    with pytest.raises(KeyboardInterrupt):
+        manager.save(1, {"w": torch.ones(2), "odd": Interrupting()})
+    assert os.listdir(root) == []
+    manager.save(2, {"w": torch.ones(2)})
+    manager.close()
+    assert [s.step for s in ranksafe.list_steps(root)] == [2]
+
+
+def test_a_second_manager_through_a_link_to_the_root_leaves_the_first_ones_step_too(tmp_path):
+    """The same root reached through a symbolic link: before, the registry knew the path as the first manager spelled
+    it, and the second one's clean-up removed the step being committed."""
+    (tmp_path / "real").mkdir()
+    os.symlink(tmp_path / "real", tmp_path / "link")
+    training = Gated(tmp_path / "real" / "ckpt", keep=3, async_save=True)
+    training.gate = threading.Event()
+    training.save(1, {"w": torch.ones(4)})
+    CheckpointManager(tmp_path / "link" / "ckpt", keep=3).save(2, {"w": torch.full((4,), 2.0)})
+    training.gate.set()
+    training.close()
+    assert [s.step for s in ranksafe.list_steps(tmp_path / "real" / "ckpt")] == [1, 2]

@@ -263,8 +263,14 @@ class CheckpointManager:
         :meth:`check` reports) leaves no temporary directory behind, as no commit is coming to use it."""
         what = f"step {tx.step} of {remote.where(self.root)}"
         self._handed = tx
-        if not self._saver.submit(writer_files, functools.partial(self._commit, commit, tx), what=what):  # type: ignore[union-attr]
-            commit.abort()  # the saver waits for a write in flight, never skips: False means the snapshot failed
+        try:
+            handed = self._saver.submit(writer_files, functools.partial(self._commit, commit, tx), what=what)  # type: ignore[union-attr]
+        except BaseException:  # Ctrl-C in the snapshot: unless it was handed on, no write will commit or abort it
+            if not (commit.committed or self._saver.in_flight):  # type: ignore[union-attr]
+                commit.abort()
+            raise
+        if not handed:  # the saver waits for a write in flight, never skips: False means the snapshot failed
+            commit.abort()
 
     def _commit(self, commit: DirCommit, tx: StepWriter, writer_files: Mapping[str, Any]) -> str:
         """The writer's part of a save, for this manager's steps (:func:`~ranksafe.step_save.commit_step`)."""

@@ -88,10 +88,15 @@ def name_of(place: Place) -> str:
 _WRITING: set[str] = set()  # the temporary places of this process's saves, from create() to the commit or the abort
 
 
+def _key(place: Place) -> str:
+    """``place`` as the registry knows it: a local path however it is reached (a link to the root), or a URL."""
+    return place.url if isinstance(place, Remote) else os.path.realpath(place)
+
+
 def being_written(place: Place) -> bool:
     """Whether a save of this process is writing ``place`` now: it looks like the debris of a crashed save, but is not
     (two managers of one root, one of them committing in the background)."""
-    return name_of(place) in _WRITING
+    return _key(place) in _WRITING
 
 
 class DirCommit(Protocol):
@@ -136,7 +141,7 @@ class AtomicDir:
         shutil.rmtree(self.tmp, ignore_errors=True)
         make_dirs(self.parent)
         os.mkdir(self.tmp)
-        _WRITING.add(self.tmp)
+        _WRITING.add(_key(self.tmp))
 
     def finalize(self, manifest: Mapping[str, Any]) -> None:
         with atomic_write(os.path.join(self.tmp, MANIFEST), "w") as f:
@@ -145,34 +150,44 @@ class AtomicDir:
         replaced = os.path.isdir(self.final)
         if replaced:
             shutil.rmtree(self._old, ignore_errors=True)
-            _WRITING.add(self._old)  # aside for a moment, not by a crash: recover() must not put it back meanwhile
+            _WRITING.add(
+                _key(self._old)
+            )  # aside for a moment, not by a crash: recover() must not put it back meanwhile
         try:
             if replaced:
                 os.rename(self.final, self._old)
             os.rename(self.tmp, self.final)
             self.committed = True
-            _WRITING.discard(self.tmp)
+            _WRITING.discard(_key(self.tmp))
             fsync_dir(self.parent)
             if replaced:
                 shutil.rmtree(self._old, ignore_errors=True)
         finally:  # a failed rename leaves the old copy aside for recover() to put back
-            _WRITING.discard(self._old)
+            _WRITING.discard(_key(self._old))
 
     def abort(self) -> None:
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        _WRITING.discard(self.tmp)
+        try:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        finally:
+            _WRITING.discard(_key(self.tmp))
 
     def recover(self) -> bool:
         """Put the committed directory back where a crash left it aside: between the two renames of
         :meth:`finalize` replacing it, only the old copy (moved aside) and the new one (still temporary) exist.
         True if it did; the new copy stays debris, as it would be had the crash come before the renames."""
         if os.path.isdir(self._old) and not os.path.exists(self.final) and not being_written(self._old):
-            os.rename(self._old, self.final)
+            try:
+                os.rename(self._old, self.final)
+            except OSError:  # a save of this process finished its swap meanwhile: nothing is aside any more
+                return False
             return True
         return False
 
     def delete(self) -> None:
-        """Retention: the directory stops being committed (renamed to a temporary) before its files go."""
+        """Retention: the directory stops being committed (renamed to a temporary) before its files go. Not while a
+        save of this process writes that temporary (the step saved again): the new copy replaces it."""
+        if being_written(self.tmp):
+            return
         os.rename(self.final, self.tmp)
         shutil.rmtree(self.tmp, ignore_errors=True)
 
@@ -200,8 +215,10 @@ class ObjectDir:
         _WRITING.discard(self.final.url)
 
     def abort(self) -> None:
-        self.final.remove()
-        _WRITING.discard(self.final.url)
+        try:
+            self.final.remove()
+        finally:
+            _WRITING.discard(self.final.url)
 
     def recover(self) -> bool:
         return False  # nothing is ever moved aside
