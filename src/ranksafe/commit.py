@@ -150,9 +150,8 @@ class AtomicDir:
         replaced = os.path.isdir(self.final)
         if replaced:
             shutil.rmtree(self._old, ignore_errors=True)
-            _WRITING.add(
-                _key(self._old)
-            )  # aside for a moment, not by a crash: recover() must not put it back meanwhile
+            # aside for a moment, not by a crash: recover() must not put it back meanwhile
+            _WRITING.add(_key(self._old))
         try:
             if replaced:
                 os.rename(self.final, self._old)
