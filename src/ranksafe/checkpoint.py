@@ -37,7 +37,7 @@ from .retention import BestMode, KeptSteps, Retention
 from .schedule import SaveSchedule
 from .sharded import METADATA, for_dcp, require_shared
 from .step_agreement import committed_everywhere, first_good, loadable
-from .step_save import STATE, agree_written, commit_step, copy_may_be_missing, open_step, passing_over_a_partial_commit
+from .step_save import STATE, agree_written, commit_step, commit_together, open_step, passing_over_a_partial_commit
 from .steps import StepDirs
 from .storage import Placement, Storage, check_every_rank_sees, placement, probe_root
 
@@ -240,23 +240,9 @@ class CheckpointManager:
         if part is not None:
             part.agreed()  # every rank writes its part now, or in the background (then the writer commits there)
         if self._saver is None:
-            self._commit_together(commit, tx, where.writer, writer_files)
+            commit_together(commit, tx, where.writer, writer_files, self._kept, self.timeout)
         elif where.writer and part is None:  # the snapshot of writer_files is taken now; check() reports a failure
             self._submit(commit, tx, writer_files)
-
-    def _commit_together(
-        self, commit: DirCommit, tx: StepWriter, writer: bool, writer_files: Mapping[str, Any]
-    ) -> None:
-        """The third exchange of a synchronous save: the writer(s) commit, and every rank leaves with the outcome. A
-        failure elsewhere after this writer committed may leave the step on some nodes only: it is passed over here."""
-        try:
-            with together(f"checkpoint {tx.step}: commit", self.timeout):
-                if writer:
-                    self._commit(commit, tx, writer_files)
-        except BaseException as e:
-            if tx.committed and tx.copies > 1 and copy_may_be_missing(e, tx.step):  # other nodes may lack it
-                self._kept.passed_over.add(tx.step)
-            raise
 
     def _submit(self, commit: DirCommit, tx: StepWriter, writer_files: Mapping[str, Any]) -> None:
         """Hand the commit of ``writer_files`` to the background saver; a snapshot that failed (which the next

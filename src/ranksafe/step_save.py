@@ -8,9 +8,9 @@
 3. :func:`agree_written`, the second exchange: every rank says what it wrote, or how it failed; the writer(s)
    learn every file of their directory for the manifest;
 4. :func:`commit_step`, the writer's alone: its files, the manifest, the commit, then retention. A synchronous save
-   runs it inside a third exchange, which gives every rank its outcome (three exchanges in all, whatever the world
-   size); with ``async_save`` the background saver runs it, and the next check (or save) raises a failure on every
-   rank.
+   runs it inside a third exchange (:func:`commit_together`), which gives every rank its outcome (three exchanges in
+   all, whatever the world size); with ``async_save`` the background saver runs it, and the next check (or save)
+   raises a failure on every rank.
 
 A failure anywhere before the commit aborts the step on every rank: no writer commits it.
 """
@@ -193,6 +193,27 @@ def commit_step(commit: DirCommit, tx: StepWriter, writer_files: Mapping[str, An
             commit.abort()
         raise
     return name_of(commit.final)
+
+
+def commit_together(
+    commit: DirCommit,
+    tx: StepWriter,
+    writer: bool,
+    writer_files: Mapping[str, Any],
+    kept: KeptSteps,
+    timeout: float | None,
+) -> None:
+    """The third exchange of a synchronous save: the writer(s) commit (:func:`commit_step`), and every rank leaves with
+    the outcome. A failure elsewhere after this writer committed may leave the step on some nodes only: it is passed
+    over in ``kept``."""
+    try:
+        with together(f"checkpoint {tx.step}: commit", timeout):
+            if writer:
+                commit_step(commit, tx, writer_files, kept)
+    except BaseException as e:
+        if tx.committed and tx.copies > 1 and copy_may_be_missing(e, tx.step):  # other nodes may lack it
+            kept.passed_over.add(tx.step)
+        raise
 
 
 def copy_may_be_missing(e: BaseException, step: int) -> bool:
