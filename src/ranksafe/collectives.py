@@ -72,7 +72,7 @@ def exchange_outcome(
         abort(exc)
     shared = None
     try:
-        result, failures = exchange(name, (value, mine), _values_and_failures(reduce), timeout, what)
+        result, failures = exchange(name, (value, mine), _values_and_failures(reduce), timeout, what, exc is not None)
     except RankFailure as e:
         if exc is None:
             raise
@@ -265,7 +265,9 @@ def abort_on_error() -> Iterator[None]:
 
     Any exception escaping the block is posted with :func:`abort` and re-raised: the other ranks raise
     :class:`RankFailure` at their next (or current) ranksafe collective instead of waiting for a rank that
-    is gone. The integrations do the same for a ``fit``: fastai's ``fit``, Lightning's ``on_exception``.
+    is gone. The integrations do the same for a ``fit``: fastai's ``fit``, Lightning's ``on_exception``. A rank
+    that catches the error and goes on meets the others again at its next collective, which they reach once they
+    have left theirs with its failure.
     """
     try:
         yield

@@ -214,20 +214,41 @@ def _inside(s: Session, name: str) -> Iterator[None]:
 
 
 def _exchange_in(
-    s: Session, name: str, value: Any, reduce: Callable[[list], Any], timeout: float | None, what: str | None = None
+    s: Session,
+    name: str,
+    value: Any,
+    reduce: Callable[[list], Any],
+    timeout: float | None,
+    what: str | None = None,
+    reporting: bool = False,
 ) -> Any:
     what = what or name
     timeout = default_timeout() if timeout is None else timeout  # checked by exchange(); None from a step notice
     _refuse_nesting(s, name)
     with s.lock, _inside(s, name):
-        s.seq += 1
-        keys = _Keys.of(s, s.seq)
-        try:
-            s.store.set(keys.posts[s.rank], _post(s, name, value))
-            outcome = _lead(s, keys, reduce, timeout) if s.rank == 0 else _follow(s, keys, timeout)
-        except dist.DistError as e:
-            raise lost_store(s, what, e) from e
+        skipped = True
+        while skipped:
+            s.seq += 1
+            keys = _Keys.of(s, s.seq)
+            try:
+                s.store.set(keys.posts[s.rank], _post(s, name, value))
+                outcome = _lead(s, keys, reduce, timeout) if s.rank == 0 else _follow(s, keys, timeout)
+                skipped = not reporting and _skipped(s, name, outcome)
+            except dist.DistError as e:
+                raise lost_store(s, what, e) from e
     return outcome.settle(what, timeout)
+
+
+def _skipped(s: Session, name: str, outcome: Outcome) -> bool:
+    """Whether ``outcome`` ended a collective this rank never entered: it failed alone before it (its abort
+    stands), its caller has had that error and went on (this exchange reports no failure), and the other ranks were
+    in another collective than this one, which the failure ended for them. This rank's own collective is then the
+    next exchange, where the others come once they have raised: without it, every later collective of this rank
+    would pair with the one after it on the others, with no error (two ``agree`` calls of different epochs)."""
+    if not (isinstance(outcome, Failed) and outcome.out_of_step and outcome.collectives):
+        return False
+    mine = s.standing_abort(s.rank)
+    return mine is not None and mine.failure in outcome.failures and name not in outcome.collectives
 
 
 @dataclass(frozen=True)
@@ -278,7 +299,7 @@ def _collect(s: Session, keys: _Keys, reduce: Callable[[list], Any], timeout: fl
     while (state := _wait_for(s, keys.posts, deadline, keys.outcome)) is Wait.GRACE_OVER:
         gone = _gone(s, keys)
         if gone:
-            return _given_up(s, gone)
+            return _given_up(s, keys, gone)
     if state is Wait.DECIDED:
         return None
     if state is Wait.TIMED_OUT:
@@ -297,7 +318,11 @@ def _reduce(s: Session, keys: _Keys, reduce: Callable[[list], Any]) -> Outcome:
         # step again (Failed.out_of_step). Its abort stands: should it die now, a later exchange gives up on it after
         # the grace, not the timeout.
         fresh = tuple(a.failure for a in _aborts(s) if a.at >= s.seq - 1)
-        return Failed(fresh, out_of_step=True) if fresh else Diverged(names)
+        if not fresh:
+            return Diverged(names)
+        failed = {f.rank for f in fresh}
+        theirs = tuple(sorted({n for r, n in enumerate(names) if r not in failed}))
+        return Failed(fresh, out_of_step=True, collectives=theirs)
     _clear_stale_aborts(s)
     if unposted := tuple(v.failure for _, v in posted if isinstance(v, _Unposted)):
         return Failed(unposted)
@@ -323,7 +348,7 @@ def _follow(s: Session, keys: _Keys, timeout: float) -> Outcome:
             return _decide(s, keys, TimedOut(tuple(_missing(s, keys) or [0])))
         gone = _gone(s, keys)
         if gone:
-            return _decide(s, keys, _given_up(s, gone))
+            return _decide(s, keys, _given_up(s, keys, gone))
 
 
 def _wait_for(s: Session, keys: list[str], deadline: float, decided: str | None = None) -> Wait:
@@ -363,12 +388,15 @@ def _aborts(s: Session) -> list[Abort]:
     return [a for r in range(s.world) if (a := s.standing_abort(r)) is not None]
 
 
-def _given_up(s: Session, gone: list[Failure]) -> Failed:
+def _given_up(s: Session, keys: _Keys, gone: list[Failure]) -> Failed:
     """The outcome when the grace ends with ``gone`` ranks missing: their failures and those of the ranks that failed
-    since the exchange before and posted here (news too), in rank order; out of step (see :class:`Failed`)."""
+    since the exchange before and posted here (news too), in rank order; out of step (see :class:`Failed`), with the
+    collectives of the ranks that posted here and did not fail."""
     failures = {a.failure.rank: a.failure for a in _aborts(s) if a.at >= s.seq - 1}
     failures.update({f.rank: f for f in gone})
-    return Failed(tuple(failures[r] for r in sorted(failures)), out_of_step=True)
+    posted = [k for r, k in enumerate(keys.posts) if r not in failures and s.store.check([k])]
+    theirs = sorted({pickle.loads(b)[0] for b in s.store.multi_get(posted)}) if posted else []
+    return Failed(tuple(failures[r] for r in sorted(failures)), out_of_step=True, collectives=tuple(theirs))
 
 
 def _gone(s: Session, keys: _Keys) -> list[Failure]:
@@ -393,19 +421,25 @@ def _clear_stale_aborts(s: Session) -> None:
 
 
 def exchange(
-    name: str, value: Any, reduce: Callable[[list], T], timeout: float | None = None, what: str | None = None
+    name: str,
+    value: Any,
+    reduce: Callable[[list], T],
+    timeout: float | None = None,
+    what: str | None = None,
+    reporting: bool = False,
 ) -> T:
     """Post ``value``, get ``reduce(values of all ranks in rank order)`` back on every rank.
 
     The primitive under every ranksafe collective. ``name`` says which collective this is and must be the
     same on all ranks at this call (else :class:`~ranksafe.CollectiveMismatch`); ``what`` (default: ``name``) is
-    the rank's own description for error messages, and may differ per rank (a per-rank path, say).
+    the rank's own description for error messages, and may differ per rank (a per-rank path, say). ``reporting``:
+    ``value`` carries this rank's own failure, which the exchange reports (see :func:`_skipped`).
     """
     timeout = default_timeout() if timeout is None else checked_timeout(timeout)  # one process refuses it too
     s = session(timeout, what or name)
     if s is None:
         return reduce([value])
-    return _exchange_in(s, name, value, reduce, timeout, what)
+    return _exchange_in(s, name, value, reduce, timeout, what, reporting)
 
 
 def existing_session() -> Session | None:

@@ -62,6 +62,9 @@ class Failed:
 
     failures: tuple[Failure, ...]
     out_of_step: bool = False
+    # out of step: the collectives that the ranks which had not failed were in. A failed rank that went on to
+    # another one never entered theirs (exchange._skipped)
+    collectives: tuple[str, ...] = ()
 
     def settle(self, what: str, timeout: float) -> Any:
         """Raise the same :class:`RankFailure` (of the failures' type, when they share one) on every rank."""
