@@ -190,6 +190,22 @@ def test_a_url_fsspec_would_take_for_a_pattern_is_refused_before_anything_is_rem
     assert fs.find("ckpt/exp1") == []
 
 
+def test_a_url_with_an_empty_folder_name_is_refused_before_anything_is_written(s3):
+    """Before: a manager on s3://ckpt//run (f"s3://{bucket}/{prefix}" with a prefix "/run") committed its steps under
+    the keys "/run/step_...", which no listing of the URL finds: latest() was None after four saves, load() found no
+    step, and keep=2 removed none."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem()
+    with pytest.raises(ValueError, match=r"s3://ckpt//run \(rank 0\): an empty folder name"):
+        ranksafe.CheckpointManager("s3://ckpt//run", keep=2)
+    with pytest.raises(ValueError, match="an empty folder name"):
+        ranksafe.save({"w": torch.ones(1)}, "s3://ckpt/exp//model.pt")
+    assert fs.find("ckpt") == []
+    fs.pipe("ckpt//run/x", b"1")  # the control: what the store does with such a name
+    assert fs.find("ckpt/run") == [] and fs.find("ckpt") == ["ckpt//run/x"]
+
+
 def test_prepare_dir_on_a_bucket_removes_its_objects_and_keeps_the_bucket(s3):
     """Before: s3fs's recursive rm of the bucket's URL deleted the bucket itself, with every version of its objects,
     and made a new one: its settings (versioning here) were gone."""

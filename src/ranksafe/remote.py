@@ -146,6 +146,12 @@ class Remote:
                 "removes or moves, which would reach other objects (and s3fs drops a '?' query, such as a "
                 "versionId, writing the object without it). Name it without them"
             )
+        if scheme not in ("http", "https") and "//" in url.split("://", 1)[1]:
+            raise ValueError(
+                f"{where(url)}: an empty folder name ('//') in a URL of remote storage: the store would keep it in the "
+                "object's name, where listings of the URL do not find it (a step saved there would never load). Name "
+                "it with single slashes"
+            )
         try:
             fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
         except (ImportError, ValueError) as e:  # no implementation for the scheme, or one that is not installed
