@@ -458,6 +458,48 @@ def test_a_file_of_a_sharded_step_named_as_dcp_names_its_own_is_refused_on_every
         assert v["committed"] == ["step_00000003"], v
 
 
+def _a_shard_too_large_for_rank_1(rank, root):
+    """Rank 1 may write files of 20 kB at most (``RLIMIT_FSIZE``, which holds for root; the same errno path as a full
+    disk): its shard of step 2 is larger. Synchronous and background saves; the step before stays loadable."""
+    import resource
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing the process
+    mesh = init_device_mesh("cpu", (2,))
+    out = {}
+    for mode in ("sync", "async"):
+        manager = CheckpointManager(os.path.join(root, mode), keep=None, async_save=mode == "async", timeout=30)
+        manager.save(1, {"w": distribute_tensor(torch.ones(10, 10), mesh, [Shard(0)])})
+        manager.check()
+        if rank == 1:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, resource.RLIM_INFINITY))
+        try:
+            manager.save(2, {"w": distribute_tensor(torch.ones(100, 1000), mesh, [Shard(0)])})
+            manager.wait()
+            manager.check()
+        except ranksafe.RankFailure as e:
+            out[mode] = (isinstance(e, OSError), e.errno, str(e))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        out[mode + " latest"] = manager.latest()
+        manager.close()
+    return out
+
+
+@pytest.mark.filterwarnings(_DCP_NOISE)
+def test_a_shard_that_cannot_be_written_is_an_os_error_naming_its_file_and_rank_on_every_rank(tmp_path):
+    """Before: RankFailure[RuntimeError] "[enforce fail at inline_container.cc] unexpected pos 704 vs 598" on every
+    rank, what torch's zip writer makes of the failed write: no errno (``except OSError`` missed it), no file."""
+    values = run_ranks(_a_shard_too_large_for_rank_1, 2, args=(str(tmp_path),), timeout=120).values
+    for v in values:
+        for mode in ("sync", "async"):
+            is_os_error, code, message = v[mode]
+            assert is_os_error and code == errno.EFBIG, v
+            assert "rank 1: OSError" in message and "step_00000002.ranksafe-partial/__1_0.distcp (rank 1)" in message
+            assert v[mode + " latest"] == 1, v
+
+
 def _sharded_objects_given_to_one_writer(rank, root):
     model, opt = _model(2, seed=6)
     manager = CheckpointManager(os.path.join(root, "steps"), keep=None)

@@ -27,7 +27,7 @@ from . import topology
 from .checkpoint_file import ChecksummingWriter
 from .collectives import together
 from .commit import Entry
-from .errors import Failure, RankFailure, UntrustedCheckpoint, rank_failure
+from .errors import Failure, RankFailure, UntrustedCheckpoint, error_naming_target, rank_failure
 from .sharded import METADATA
 from .torch_compat import DCP_METADATA_GLOBALS
 
@@ -70,7 +70,12 @@ class _CountingFileSystem(FileSystem):
                 yield f
                 return
             out = _ShardFile(f)
-            yield out
+            try:
+                yield out
+            except Exception as e:  # torch.save turns a failed write into a RuntimeError that names no cause
+                if out.error is not None and e is not out.error:
+                    raise error_naming_target(out.error, "cannot write", path) from e
+                raise
         self.written[os.path.basename(path)] = (out.length, out.crc)
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
