@@ -10,9 +10,12 @@ loader and on a torch one; a signal, the mixin, pickling and taking RankSafe off
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -334,6 +337,44 @@ def test_one_process_a_signal_stops_the_fit_chains_the_handler_and_the_flag_goes
     assert params(again) == params(reference) and not again.preempted
 
 
+_SIGNAL_IN_THE_LAST_VALIDATION = """
+import os, signal, sys
+from fastai.tabular.all import Callback, Learner, MSELossFlat
+from ranksafe.fastai import RankSafe
+from tests.test_fastai import Lin, tabular_dls
+
+class SignalInTheLastValidation(Callback):
+    def after_batch(self):
+        if not self.training and self.epoch == self.n_epoch - 1 and self.iter == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+seen = []
+if sys.argv[2] == "handler":
+    signal.signal(signal.SIGTERM, lambda s, f: seen.append(s))
+learn = Learner(tabular_dls(sys.argv[1]), Lin(), loss_func=MSELossFlat(), path=sys.argv[1],
+                cbs=RankSafe(checkpoint_dir="ckpt", preemption=True))
+with learn.no_bar(), learn.no_logging():
+    learn.fit(2, cbs=SignalInTheLastValidation())
+    print("first fit", learn.preempted, learn.train_iter, flush=True)
+    learn.fit(2)
+print("second fit", learn.preempted, learn.train_iter, "handler calls", len(seen), flush=True)
+"""
+
+
+@pytest.mark.parametrize("before", ["default", "handler"])
+def test_a_signal_in_the_last_validation_ends_the_fit_as_usual_and_the_next_fit_stops(tmp_path, before):
+    """Before: the fit's end raised the signal again. With the default action the process ended inside the fit (no
+    later after_fit, nothing after fit ran: SIGTERM as exit code); a handler installed before was called twice, and
+    the next fit trained every batch, the signal forgotten."""
+    command = [sys.executable, "-c", _SIGNAL_IN_THE_LAST_VALIDATION, str(tmp_path), before]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0] == "first fit False 12", done.stdout  # 2 epochs of 6 batches, the last checkpoint committed
+    assert lines[1] == f"second fit True 2 handler calls {int(before == 'handler')}", done.stdout
+    assert _committed(tmp_path / "ckpt") == [0, 1, 2], done.stdout  # the first fit's epochs, the second's stop
+
+
 def test_preemption_and_intervals_need_a_checkpoint_dir():
     with pytest.raises(ValueError, match=r"RankSafe\(preemption=...\) needs a checkpoint_dir"):
         RankSafe(preemption=True)
@@ -349,3 +390,7 @@ def test_preemption_and_intervals_need_a_checkpoint_dir():
         RankSafe(checkpoint_dir="")
     with pytest.raises(ValueError, match="save_interval_steps must be a positive"):
         RankSafe("ckpt", save_interval_steps=0)
+    with pytest.raises(ValueError, match="save_interval_seconds must be a positive number or None, not nan"):
+        RankSafe("ckpt", save_interval_seconds=math.nan)  # passed, and no interval save ever came
+    with pytest.raises(ValueError, match="SIGKILL cannot be handled"):  # passed, and every fit raised OSError EINVAL
+        RankSafe("ckpt", preemption=[signal.SIGKILL])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import stat
@@ -243,6 +244,10 @@ def test_schedule_arguments_are_checked_and_need_a_checkpoint_dir(tmp_path):
     for kwargs in ({"every_n_train_steps": 0}, {"every_n_epochs": 1.5}, {"train_time_interval": -1}):
         with pytest.raises(ValueError, match="must be a positive"):
             RankSafe(checkpoint_dir=tmp_path, **kwargs)
+    with pytest.raises(ValueError, match="must be a positive number or None, not nan"):  # passed, and never saved
+        RankSafe(checkpoint_dir=tmp_path, train_time_interval=math.nan)
+    with pytest.raises(ValueError, match="SIGKILL cannot be handled"):  # passed, and failed at fit: OSError EINVAL
+        RankSafe(checkpoint_dir=tmp_path, preemption=[signal.SIGKILL])
     assert RankSafe(checkpoint_dir=tmp_path, every_n_train_steps=5).every_n_epochs is None  # as ModelCheckpoint
     assert RankSafe(checkpoint_dir=tmp_path).every_n_epochs == 1
     assert RankSafe(checkpoint_dir=tmp_path, preemption=True).resume and not RankSafe(checkpoint_dir=tmp_path).resume

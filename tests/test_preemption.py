@@ -62,10 +62,22 @@ def test_two_recorders_uninstalled_in_any_order_leave_the_default_action(order):
     assert done.returncode == -signal.SIGTERM, (done.returncode, done.stdout, done.stderr)
 
 
-def test_a_signal_that_cannot_be_handled_installs_none():
-    signals = Signals((signal.SIGUSR2, signal.SIGKILL))
+def test_a_signal_that_cannot_be_handled_is_refused_and_an_install_that_fails_installs_none(monkeypatch):
+    """Before: SIGKILL was taken, and every install raised a bare OSError (EINVAL), at a fit's start."""
+    with pytest.raises(ValueError, match="SIGKILL cannot be handled by a process"):
+        Signals((signal.SIGUSR2, signal.SIGKILL))
+    signals = Signals((signal.SIGUSR2, signal.SIGUSR1))
+    real = signal.signal
+
+    def refusing_usr1(signum, handler):
+        if signum == signal.SIGUSR1 and callable(handler):
+            raise OSError(22, "Invalid argument")
+        return real(signum, handler)
+
+    monkeypatch.setattr(signal, "signal", refusing_usr1)
     with pytest.raises(OSError):
         signals.install()
+    monkeypatch.undo()
     assert not signals.installed and signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL
 
 
@@ -108,6 +120,25 @@ threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()  # the time
 manager.close()
 print("closed", flush=True)
 """
+
+
+_SIGNAL_BEFORE_CLOSE = """
+import os, signal, sys
+import ranksafe
+
+seen = []
+signal.signal(signal.SIGTERM, lambda s, f: seen.append(s))
+manager = ranksafe.CheckpointManager(sys.argv[1], preemption=True)
+os.kill(os.getpid(), signal.SIGTERM)  # after the last step boundary: no stop answers it
+manager.close()
+print("handler calls", len(seen), flush=True)
+"""
+
+
+def test_a_handler_installed_before_the_manager_gets_an_unanswered_signal_once(tmp_path):
+    """Before: close() raised the signal again after the handler had had it when it came: called twice."""
+    done = subprocess.run([sys.executable, "-c", _SIGNAL_BEFORE_CLOSE, str(tmp_path)], capture_output=True, timeout=60)
+    assert done.returncode == 0 and done.stdout == b"handler calls 1\n", (done.stdout, done.stderr[-2000:])
 
 
 @pytest.mark.parametrize("stopped", [True, False])

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import signal
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -422,13 +421,15 @@ class CheckpointManager:
         else:
             share_outcome("checkpoint: check", None, self.timeout)
 
-    def close(self) -> None:
+    def close(self, keep_signal: bool = False) -> None:
         """Wait for the commit in flight, then :meth:`check`; collective. Call it at the end of training.
 
         Afterwards no thread of this manager is running, and the preemption signals are handled as they were before
         it. Until the commit is in, a signal is still only recorded: one that no agreed stop answered (it came after
-        the last step boundary, or during this call) is then raised again, to the handler it would have met (by
-        default, the process ends). The manager stays usable; it records preemption signals again once
+        the last step boundary, or during this call) then gets the default action the recording held back (the
+        process ends; a handler installed before had it when it came). ``keep_signal``: it stays recorded instead,
+        for the next fit (the fastai and Lightning callbacks close at each fit's end: a later fit stops at its second
+        step boundary). The manager stays usable; it records preemption signals again once
         ``manager.schedule.install()`` is called (the fastai and Lightning callbacks call it at the start of each
         fit). Its exchange is named apart from :meth:`check`'s: a rank that stopped early and closes, while another
         checks at its next epoch, is a :class:`~ranksafe.CollectiveMismatch` on both instead of a pair that lets the
@@ -442,5 +443,5 @@ class CheckpointManager:
                 share_outcome("checkpoint: close", None, self.timeout)
         finally:
             self.schedule.uninstall()
-        if (unanswered := self.schedule.unanswered()) is not None:
-            signal.raise_signal(unanswered)
+        if not keep_signal:
+            self.schedule.pass_on_unanswered()

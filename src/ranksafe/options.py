@@ -6,6 +6,7 @@ instead of at the first save, or never (an option that needs a directory to save
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 
@@ -15,6 +16,15 @@ def positive_int(name: str, value: int | None, allow_none: bool = True) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int{' or None' if allow_none else ''}, not {value!r}")
+
+
+def positive_number(name: str, value: float | None) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is a finite number above 0, or None (a NaN read from a
+    configuration would pass ``value <= 0`` and then never be reached)."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
+        raise ValueError(f"{name} must be a positive number or None, not {value!r}")
 
 
 def needs_checkpoint_dir(checkpoint_dir: Any, **options: Any) -> None:

@@ -41,6 +41,8 @@ class Signals:
 
     def __init__(self, signals: Iterable[int] = DEFAULT_SIGNALS) -> None:
         self.signals = tuple(signal.Signals(s) for s in signals)
+        if uncatchable := [s.name for s in self.signals if s in (signal.SIGKILL, signal.SIGSTOP)]:
+            raise ValueError(f"{', '.join(uncatchable)} cannot be handled by a process: preempt with another signal")
         self.received: signal.Signals | None = None
         self._handler: _Handler | None = None
         self._recording = False

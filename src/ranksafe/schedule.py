@@ -17,13 +17,8 @@ from collections.abc import Callable, Iterable
 
 from . import topology
 from .notice import StepNotice
-from .options import positive_int
+from .options import positive_int, positive_number
 from .preemption import DEFAULT_SIGNALS, Signals
-
-
-def _positive(name: str, value: float | None) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
-        raise ValueError(f"{name} must be a positive number or None, not {value!r}")
 
 
 class SaveSchedule:
@@ -48,7 +43,7 @@ class SaveSchedule:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         positive_int("save_interval_steps", save_interval_steps)
-        _positive("save_interval_seconds", save_interval_seconds)
+        positive_number("save_interval_seconds", save_interval_seconds)
         self.save_interval_steps, self.save_interval_seconds, self.clock = (
             save_interval_steps,
             save_interval_seconds,
@@ -73,13 +68,15 @@ class SaveSchedule:
         if self.signals is not None:
             self.signals.uninstall()
 
-    def unanswered(self) -> signal.Signals | None:
-        """The signal this rank recorded that no agreed stop answered (it came after the last step boundary), once:
-        a second call says None."""
+    def pass_on_unanswered(self) -> None:
+        """Once the handlers are put back (:meth:`uninstall`): the signal this rank recorded that no agreed stop
+        answered (it came after the last step boundary) gets the default action the recording held back, where that
+        is the handler now (the process ends); a callable handler had it when it came. Once: the record is cleared."""
         if self.signals is None or self.preempted or self.signals.received is None:
-            return None
+            return
         received, self.signals.received = self.signals.received, None
-        return received
+        if signal.getsignal(received) == signal.SIG_DFL:
+            signal.raise_signal(received)
 
     def reached_preemption(self, step: int) -> bool:
         """True on every rank from the first common step boundary after any rank received a preemption signal;

@@ -217,7 +217,7 @@ class FitSteps:
             self.manager.schedule.uninstall()
             self.manager.shutdown()
         else:
-            self.manager.close()
+            self.manager.close(keep_signal=True)
 
 
 def skip_to(learn: Learner, fit: Fit, epoch: int) -> None:

@@ -28,7 +28,7 @@ from ..errors import naming_target
 from ..files import clean_orphans
 from ..lock import StateDictLock
 from ..monitor import MonitorAgreement, MonitorOp
-from ..options import needs_checkpoint_dir, positive_int
+from ..options import needs_checkpoint_dir, positive_int, positive_number
 from ..saver_failures import poll_savers
 from ..storage import Storage
 from . import compat
@@ -54,8 +54,7 @@ PREEMPTED_BEFORE = (
 def _seconds(interval: timedelta | float | None) -> float | None:
     """``train_time_interval`` in seconds: a ``timedelta``, as ModelCheckpoint takes it, or a number of seconds."""
     seconds = interval.total_seconds() if isinstance(interval, timedelta) else interval
-    if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0):
-        raise ValueError(f"train_time_interval must be a positive timedelta or number of seconds, not {interval!r}")
+    positive_number("train_time_interval (in seconds)", seconds)
     return seconds
 
 
@@ -320,7 +319,7 @@ class RankSafe(SharedCheckpointIO, Callback):
                 self._io.teardown()
             self._io.check()
         if self.manager is not None and self.manager.async_save:  # the last commit's failure raised everywhere
-            self.manager.close()
+            self.manager.close(keep_signal=True)  # a signal after the last step boundary: the next fit stops
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """A rank failing alone stops the others at their current or next ranksafe collective, within seconds.
