@@ -490,3 +490,43 @@ def test_under_slurm_a_signal_is_an_agreed_save_a_clean_stop_and_one_requeue_fro
         f"SLURM: ranksafe stopped both ranks at step {stop}, committed, then one requeue from rank 0; "
         f"stock Lightning's handler: {stock.rank(1)['error']}"
     )
+
+
+_SIGNAL_IN_THE_LAST_VALIDATION = """
+import os, signal, sys, warnings
+import lightning.pytorch as pl
+import torch
+from ranksafe.lightning import RankSafe
+
+warnings.simplefilter("ignore")
+
+class Model(pl.LightningModule):
+    def __init__(self, signal_at_the_end):
+        super().__init__()
+        self.layer, self.signal_at_the_end = torch.nn.Linear(3, 1), signal_at_the_end
+    def training_step(self, batch, i):
+        return self.layer(batch[0]).pow(2).mean()
+    def validation_step(self, batch, i):
+        if self.signal_at_the_end and self.current_epoch == self.trainer.max_epochs - 1 and i == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), 0.1)
+
+rows = torch.utils.data.TensorDataset(torch.randn(24, 3))
+rank_safe = RankSafe(checkpoint_dir=sys.argv[1], preemption=True, async_save=True)
+for epochs, signal_at_the_end in ((2, True), (4, False)):  # 6 steps an epoch
+    trainer = pl.Trainer(max_epochs=epochs, callbacks=[rank_safe], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Model(signal_at_the_end), *[torch.utils.data.DataLoader(rows, batch_size=4)] * 2)
+    print(trainer.global_step, rank_safe.manager.preempted, flush=True)
+"""
+
+
+def test_a_signal_in_the_last_validation_ends_the_fit_as_usual_and_the_next_fit_stops(tmp_path):
+    """Before, with async_save: the fit's end (on_fit_end) raised the signal again, and the process ended there,
+    SIGTERM its exit code, nothing after fit run."""
+    command = [sys.executable, "-c", _SIGNAL_IN_THE_LAST_VALIDATION, str(tmp_path / "ckpt")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # the first fit ends at step 12; the second resumes there and stops after its second step, preempted
+    assert done.stdout.split() == ["12", "False", "14", "True"], (done.stdout, done.stderr[-3000:])
