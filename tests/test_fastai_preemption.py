@@ -351,13 +351,19 @@ class SignalInTheLastValidation(Callback):
 seen = []
 if sys.argv[2] == "handler":
     signal.signal(signal.SIGTERM, lambda s, f: seen.append(s))
-learn = Learner(tabular_dls(sys.argv[1]), Lin(), loss_func=MSELossFlat(), path=sys.argv[1],
-                cbs=RankSafe(checkpoint_dir="ckpt", preemption=True))
-with learn.no_bar(), learn.no_logging():
+def learner(directory):
+    return Learner(tabular_dls(sys.argv[1]), Lin(), loss_func=MSELossFlat(), path=sys.argv[1],
+                   cbs=RankSafe(checkpoint_dir=directory, preemption=True))
+
+learn, other = learner("ckpt"), learner("other")
+with learn.no_bar(), learn.no_logging(), other.no_bar(), other.no_logging():
     learn.fit(2, cbs=SignalInTheLastValidation())
     print("first fit", learn.preempted, learn.train_iter, flush=True)
+    other.fit(2)  # a process that trains a new model next (a sweep, a second stage) stops it
+    print("another learner", other.preempted, other.train_iter, flush=True)
+    learn.fit(2, cbs=SignalInTheLastValidation())  # the same RankSafe's next fit, after a second signal
     learn.fit(2)
-print("second fit", learn.preempted, learn.train_iter, "handler calls", len(seen), flush=True)
+print("same learner", learn.preempted, learn.train_iter, "handler calls", len(seen), flush=True)
 """
 
 
@@ -365,14 +371,16 @@ print("second fit", learn.preempted, learn.train_iter, "handler calls", len(seen
 def test_a_signal_in_the_last_validation_ends_the_fit_as_usual_and_the_next_fit_stops(tmp_path, before):
     """Before: the fit's end raised the signal again. With the default action the process ended inside the fit (no
     later after_fit, nothing after fit ran: SIGTERM as exit code); a handler installed before was called twice, and
-    the next fit trained every batch, the signal forgotten."""
+    the next fit trained every batch, the signal forgotten. A signal kept by one RankSafe for its next fit was lost
+    to a new Learner's."""
     command = [sys.executable, "-c", _SIGNAL_IN_THE_LAST_VALIDATION, str(tmp_path), before]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     assert lines[0] == "first fit False 12", done.stdout  # 2 epochs of 6 batches, the last checkpoint committed
-    assert lines[1] == f"second fit True 2 handler calls {int(before == 'handler')}", done.stdout
-    assert _committed(tmp_path / "ckpt") == [0, 1, 2], done.stdout  # the first fit's epochs, the second's stop
+    assert lines[1] == "another learner True 2", done.stdout  # its fit stops after its second batch
+    assert lines[2] == f"same learner True 2 handler calls {2 * (before == 'handler')}", done.stdout
+    assert _committed(tmp_path / "ckpt") == [2, 3, 4], done.stdout  # keep=3: the second fit's epochs, the stop
 
 
 def test_preemption_and_intervals_need_a_checkpoint_dir():

@@ -513,8 +513,8 @@ class Model(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), 0.1)
 
 rows = torch.utils.data.TensorDataset(torch.randn(24, 3))
-rank_safe = RankSafe(checkpoint_dir=sys.argv[1], preemption=True, async_save=True)
-for epochs, signal_at_the_end in ((2, True), (4, False)):  # 6 steps an epoch
+for epochs, signal_at_the_end in ((2, True), (4, False)):  # 6 steps an epoch; a new RankSafe and Trainer each
+    rank_safe = RankSafe(checkpoint_dir=sys.argv[1], preemption=True, async_save=signal_at_the_end)
     trainer = pl.Trainer(max_epochs=epochs, callbacks=[rank_safe], logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(Model(signal_at_the_end), *[torch.utils.data.DataLoader(rows, batch_size=4)] * 2)
@@ -524,7 +524,7 @@ for epochs, signal_at_the_end in ((2, True), (4, False)):  # 6 steps an epoch
 
 def test_a_signal_in_the_last_validation_ends_the_fit_as_usual_and_the_next_fit_stops(tmp_path):
     """Before, with async_save: the fit's end (on_fit_end) raised the signal again, and the process ended there,
-    SIGTERM its exit code, nothing after fit run."""
+    SIGTERM its exit code, nothing after fit run. (Without: the signal stayed with that RankSafe, lost to a new one.)"""
     command = [sys.executable, "-c", _SIGNAL_IN_THE_LAST_VALIDATION, str(tmp_path / "ckpt")]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]

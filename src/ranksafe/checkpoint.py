@@ -427,9 +427,9 @@ class CheckpointManager:
         Afterwards no thread of this manager is running, and the preemption signals are handled as they were before
         it. Until the commit is in, a signal is still only recorded: one that no agreed stop answered (it came after
         the last step boundary, or during this call) then gets the default action the recording held back (the
-        process ends; a handler installed before had it when it came). ``keep_signal``: it stays recorded instead,
-        for the next fit (the fastai and Lightning callbacks close at each fit's end: a later fit stops at its second
-        step boundary). The manager stays usable; it records preemption signals again once
+        process ends; a handler installed before had it when it came). ``keep_signal``: the next fit of the process
+        gets it instead, and stops at its second step boundary (the fastai and Lightning callbacks close at each
+        fit's end). The manager stays usable; it records preemption signals again once
         ``manager.schedule.install()`` is called (the fastai and Lightning callbacks call it at the start of each
         fit). Its exchange is named apart from :meth:`check`'s: a rank that stopped early and closes, while another
         checks at its next epoch, is a :class:`~ranksafe.CollectiveMismatch` on both instead of a pair that lets the
@@ -443,5 +443,4 @@ class CheckpointManager:
                 share_outcome("checkpoint: close", None, self.timeout)
         finally:
             self.schedule.uninstall()
-        if not keep_signal:
-            self.schedule.pass_on_unanswered()
+        self.schedule.pass_on_unanswered(keep=keep_signal)

@@ -68,11 +68,15 @@ class SaveSchedule:
         if self.signals is not None:
             self.signals.uninstall()
 
-    def pass_on_unanswered(self) -> None:
+    def pass_on_unanswered(self, keep: bool = False) -> None:
         """Once the handlers are put back (:meth:`uninstall`): the signal this rank recorded that no agreed stop
         answered (it came after the last step boundary) gets the default action the recording held back, where that
-        is the handler now (the process ends); a callable handler had it when it came. Once: the record is cleared."""
+        is the handler now (the process ends); a callable handler had it when it came. ``keep``: the next recorder
+        installed in this process gets it instead (:meth:`Signals.keep`). Once: the record is cleared."""
         if self.signals is None or self.preempted or self.signals.received is None:
+            return
+        if keep:
+            self.signals.keep()
             return
         received, self.signals.received = self.signals.received, None
         if signal.getsignal(received) == signal.SIG_DFL:

@@ -319,7 +319,7 @@ class RankSafe(SharedCheckpointIO, Callback):
                 self._io.teardown()
             self._io.check()
         if self.manager is not None and self.manager.async_save:  # the last commit's failure raised everywhere
-            self.manager.close(keep_signal=True)  # a signal after the last step boundary: the next fit stops
+            self.manager.close(keep_signal=True)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """A rank failing alone stops the others at their current or next ranksafe collective, within seconds.
@@ -357,6 +357,7 @@ class RankSafe(SharedCheckpointIO, Callback):
                 unwrap(obj)
         if self.manager is not None:
             self.manager.schedule.uninstall()
+            self.manager.schedule.pass_on_unanswered(keep=True)  # a signal after the last step: the next fit stops
 
     def _end_step(self, trainer: pl.Trainer) -> None:
         """Once per optimizer step on every rank, not per micro-batch (only after an optimizer step are the ranks'
