@@ -132,7 +132,7 @@ class _Keys:
 
 
 # The one piece of module state: the session of the process group in use, made on first use (under the lock:
-# a signal handler, or another thread, may get here too; re-entrant, see _refuse_nesting).
+# a signal handler, or another thread, may get here too; re-entrant, see _inside).
 _session: Session | None = None
 _session_lock = threading.RLock()
 
@@ -170,9 +170,8 @@ def session(timeout: float | None, what: str | None = None) -> Session | None:
 
 def learn_nodes(timeout: float | None = None, what: str | None = None) -> None:
     """Make this rank's local rank and node known before a decision takes them: where no launcher variable says
-    them (``mp.spawn``), the host-name exchange that starts a group's session learns them. Until then every rank
-    counts as local rank ``rank()`` of node 0, and a second node would have no local writer. A collective the first
-    time in a process group, when it exchanges; local after that, and under a launcher."""
+    them (``mp.spawn``), the host-name exchange that starts a group's session learns them (until then a second node
+    would have no local writer). A collective the first time in a process group; local after that."""
     if topology.needs_host_exchange() and topology.is_distributed():
         session(timeout, what)
 
@@ -188,13 +187,12 @@ def lost_store(s: Session, what: str, e: dist.DistError) -> RankFailure:
 # -- one exchange ------------------------------------------------------------------------------------------
 
 
-def _refuse_nesting(s: Session, name: str) -> None:
-    """Raise, instead of deadlocking, when this thread is already inside an exchange.
-
-    Only a signal handler can get here (Lightning saves a checkpoint from its SLURM requeue handler): it runs
-    on the thread it interrupted, which holds the lock and waits for the other ranks, so taking the lock again
-    would wait forever; and the ranks, each interrupted at a different point, would pair different collectives.
-    """
+@contextlib.contextmanager
+def _inside(s: Session, name: str) -> Iterator[None]:
+    """The exchange ``name`` holds the session's lock. Raises, instead of deadlocking, when this thread is inside an
+    exchange already: only a signal handler gets here (Lightning saves a checkpoint from its SLURM requeue handler),
+    on the thread it interrupted, which holds the lock and waits for the other ranks; and the ranks, each
+    interrupted at a different point, would pair different collectives."""
     inside = s.inside
     if inside is not None and inside[0] == threading.get_ident():
         raise RuntimeError(
@@ -202,15 +200,12 @@ def _refuse_nesting(s: Session, name: str) -> None:
             "signal handler?): its ranks could never meet; set a flag in the handler and act on it in the "
             "training loop"
         )
-
-
-@contextlib.contextmanager
-def _inside(s: Session, name: str) -> Iterator[None]:
-    s.inside = (threading.get_ident(), name)
-    try:
-        yield
-    finally:
-        s.inside = None
+    with s.lock:
+        s.inside = (threading.get_ident(), name)
+        try:
+            yield
+        finally:
+            s.inside = None
 
 
 def _exchange_in(
@@ -224,8 +219,7 @@ def _exchange_in(
 ) -> Any:
     what = what or name
     timeout = default_timeout() if timeout is None else timeout  # checked by exchange(); None from a step notice
-    _refuse_nesting(s, name)
-    with s.lock, _inside(s, name):
+    with _inside(s, name):
         skipped = True
         while skipped:
             s.seq += 1
@@ -240,11 +234,10 @@ def _exchange_in(
 
 
 def _skipped(s: Session, name: str, outcome: Outcome) -> bool:
-    """Whether ``outcome`` ended a collective this rank never entered: it failed alone before it (its abort
-    stands), its caller has had that error and went on (this exchange reports no failure), and the other ranks were
-    in another collective than this one, which the failure ended for them. This rank's own collective is then the
-    next exchange, where the others come once they have raised: without it, every later collective of this rank
-    would pair with the one after it on the others, with no error (two ``agree`` calls of different epochs)."""
+    """Whether ``outcome`` ended a collective of the others that this rank never entered: it failed alone before it
+    (its abort stands), its caller had that error and went on (this exchange reports none), and its collective is
+    another one. Its own is then the next exchange, where the others come once they have raised (design.md, row 19).
+    """
     if not (isinstance(outcome, Failed) and outcome.out_of_step and outcome.collectives):
         return False
     mine = s.standing_abort(s.rank)
@@ -333,12 +326,9 @@ def _reduce(s: Session, keys: _Keys, reduce: Callable[[list], Any]) -> Outcome:
 
 
 def _follow(s: Session, keys: _Keys, timeout: float) -> Outcome:
-    """A non-main rank's outcome: rank 0's, or, if this rank gives up first, its own verdict, written for all.
-
-    When the grace ends and no aborted rank is gone (:func:`_gone`: its abort stands for a rank that is here, or
-    rank 0 withdrew it, once every rank had posted to this very exchange), the wait goes on: the outcome is on
-    the way, and deciding an abort would name no rank.
-    """
+    """A non-main rank's outcome: rank 0's, or, if this rank gives up first, its own verdict, written for all. When
+    the grace ends and no aborted rank is gone (:func:`_gone`), the wait goes on: the outcome is on the way, and
+    deciding an abort would name no rank."""
     deadline = time.monotonic() + timeout
     while True:
         state = _wait_for(s, [keys.outcome], deadline)
@@ -357,9 +347,8 @@ def _wait_for(s: Session, keys: list[str], deadline: float, decided: str | None 
     grace lets ranks that all failed alike (and all take part in the next exchange) meet as usual.
 
     Polls with ``check`` (cheap, and silent where ``store.wait`` logs each timeout; ``wait`` cannot watch two
-    keys at once either), backing off from 0.2 ms to a ceiling that grows with the world (5 ms up to 16 ranks,
-    0.3 s at 1,000), so a quick collective stays quick and a long wait (a writer saving gigabytes) costs the
-    store server at most a few thousand requests a second in all.
+    keys at once either), backing off to a ceiling that grows with the world, so that a quick collective stays
+    quick and a long wait (a writer saving gigabytes) costs the store server a bounded rate of requests in all.
     """
     grace_ends: float | None = None
     ceiling = min(1.0, 0.005 * max(1.0, s.world / 16))
