@@ -350,6 +350,12 @@ class SignalInTheLastValidation(Callback):
         if not self.training and self.epoch == self.n_epoch - 1 and self.iter == 0:
             os.kill(os.getpid(), self.signum)
 
+class SignalThenFail(Callback):
+    def after_batch(self):
+        if self.training and self.iter == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+            raise RuntimeError("a bug, right after the signal")
+
 seen = []
 signal.signal(signal.SIGUSR1, lambda s, f: seen.append(s))  # SIGTERM keeps its default action: the process ends
 def learner(directory):
@@ -364,7 +370,15 @@ with learn.no_bar(), learn.no_logging(), other.no_bar(), other.no_logging():
     print("another learner", other.preempted, other.train_iter, flush=True)
     learn.fit(2, cbs=SignalInTheLastValidation(signal.SIGUSR1))  # the same RankSafe's next fit, a handled signal
     learn.fit(2)
-print("same learner", learn.preempted, learn.train_iter, "handler calls", len(seen), flush=True)
+    print("same learner", learn.preempted, learn.train_iter, "handler calls", len(seen), flush=True)
+failing, last = learner("failing"), learner("last")
+with failing.no_bar(), failing.no_logging(), last.no_bar(), last.no_logging():
+    try:
+        failing.fit(2, cbs=SignalThenFail())
+    except RuntimeError:
+        pass
+    last.fit(2)
+print("after a failed fit", last.preempted, last.train_iter, flush=True)
 """
 
 
@@ -372,7 +386,7 @@ def test_a_signal_in_the_last_validation_ends_the_fit_as_usual_and_the_next_fit_
     """Before: the fit's end raised the signal again. With the default action (SIGTERM) the process ended inside the
     fit (no later after_fit, nothing after fit ran: SIGTERM as exit code); a handler installed before (SIGUSR1's)
     was called twice, and the next fit trained every batch, the signal forgotten. A signal kept by one RankSafe for
-    its next fit was lost to a new Learner's."""
+    its next fit was lost to a new Learner's, and so was the signal of a fit that failed."""
     command = [sys.executable, "-c", _SIGNAL_IN_THE_LAST_VALIDATION, str(tmp_path)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -380,6 +394,7 @@ def test_a_signal_in_the_last_validation_ends_the_fit_as_usual_and_the_next_fit_
     assert lines[0] == "first fit False 12", done.stdout  # 2 epochs of 6 batches, the last checkpoint committed
     assert lines[1] == "another learner True 2", done.stdout  # its fit stops after its second batch
     assert lines[2] == "same learner True 2 handler calls 1", done.stdout
+    assert lines[3] == "after a failed fit True 2", done.stdout  # a signal of a fit that failed stops the next one
     assert _committed(tmp_path / "ckpt") == [2, 3, 4], done.stdout  # keep=3: the second fit's epochs, the stop
 
 

@@ -443,4 +443,6 @@ class CheckpointManager:
                 share_outcome("checkpoint: close", None, self.timeout)
         finally:
             self.schedule.uninstall()
-        self.schedule.pass_on_unanswered(keep=keep_signal)
+            if keep_signal:  # also when the check raised
+                self.schedule.pass_on_unanswered(keep=True)
+        self.schedule.pass_on_unanswered()

@@ -31,8 +31,8 @@ DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 _kept: signal.Signals | None = None
 """A signal that a fit's recorder received and no agreed stop answered (it came after the fit's last step boundary),
-kept by :meth:`Signals.keep` for the next recorder installed in this process: the next fit, of any Learner or
-Trainer, stops at its second step boundary."""
+kept by :meth:`Signals.keep` for the next fit of this process, of any Learner or Trainer (:meth:`Signals.take_kept`),
+which stops at its second step boundary."""
 
 
 class Signals:
@@ -60,13 +60,10 @@ class Signals:
     def install(self) -> None:
         """Handle the signals from now on; idempotent, all or none. Raises ``RuntimeError`` off the main thread,
         and what ``signal.signal`` raises for a signal that cannot be handled (``SIGKILL``)."""
-        global _kept
         if self._recording:
             return
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("preemption signals can only be handled from the main thread")
-        if self.received is None and _kept in self.signals:  # an earlier fit's signal: this fit acts on it
-            self.received, _kept = _kept, None
         self._handler = handler = _Handler(self)
         self._recording = True
         weakref.finalize(self, handler.put_back)
@@ -86,10 +83,17 @@ class Signals:
         self._recording = False
 
     def keep(self) -> None:
-        """Hand the signal received, if any, to the next recorder installed in this process (:data:`_kept`)."""
+        """Hand the signal received, if any, to the next fit of this process (:data:`_kept`)."""
         global _kept
         if self.received is not None:
             _kept, self.received = self.received, None
+
+    def take_kept(self) -> None:
+        """At a fit's start: act on the signal an earlier fit of this process kept (:meth:`keep`), if this recorder
+        handles it."""
+        global _kept
+        if self.received is None and _kept in self.signals:
+            self.received, _kept = _kept, None
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self._recording:

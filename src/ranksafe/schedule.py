@@ -58,10 +58,13 @@ class SaveSchedule:
         self._posted = {"stop": False, "timer": False}  # this rank posted a notice that is not due yet
         self._answered: dict[str, tuple[int, bool]] = {}  # each decision's last step and answer: asked twice, one read
 
-    def install(self) -> None:
-        """Start recording the preemption signals (main thread); idempotent."""
+    def install(self, fit: bool = False) -> None:
+        """Start recording the preemption signals (main thread); idempotent. ``fit``: at a fit's start, which also acts
+        on a signal an earlier fit of the process kept (:meth:`pass_on_unanswered`)."""
         if self.signals is not None:
             self.signals.install()
+            if fit:
+                self.signals.take_kept()
 
     def uninstall(self) -> None:
         """Put back the signal handlers :meth:`install` replaced."""
@@ -71,8 +74,8 @@ class SaveSchedule:
     def pass_on_unanswered(self, keep: bool = False) -> None:
         """Once the handlers are put back (:meth:`uninstall`): the signal this rank recorded that no agreed stop
         answered (it came after the last step boundary) gets the default action the recording held back, where that
-        is the handler now (the process ends); a callable handler had it when it came. ``keep``: the next recorder
-        installed in this process gets it instead (:meth:`Signals.keep`). Once: the record is cleared."""
+        is the handler now (the process ends); a callable handler had it when it came. ``keep``: the next fit of this
+        process gets it instead (:meth:`Signals.keep`). Once: the record is cleared."""
         if self.signals is None or self.preempted or self.signals.received is None:
             return
         if keep:

@@ -112,8 +112,7 @@ class FitSteps:
             return resume
         if self.manager is None:
             self.manager = self._open_manager()
-        else:
-            self.manager.schedule.install()  # the end of the last fit put the signal handlers back
+        self.manager.schedule.install(fit=True)  # again after an earlier fit, whose end put the handlers back
         self.manager.warmup()  # a root that cannot be written (a bucket, credentials) fails every rank now
         newest = self.manager.latest()  # agreed: every rank numbers this fit's steps alike
         fit.base = 0 if newest is None else newest + 1
@@ -215,6 +214,7 @@ class FitSteps:
             return
         if failed:
             self.manager.schedule.uninstall()
+            self.manager.schedule.pass_on_unanswered(keep=True)  # a signal of this fit: the next fit stops
             self.manager.shutdown()
         else:
             self.manager.close(keep_signal=True)

@@ -429,4 +429,4 @@ class RankSafe(SharedCheckpointIO, Callback):
         """The signal connector's ``register_signal_handlers``, for a fit with preemption: the manager's handlers
         instead of Lightning's (which ``original`` would install). A method of RankSafe, not of its steps: what is
         installed on Lightning's objects must pickle, and RankSafe pickles without them."""
-        self.manager.schedule.install()  # type: ignore[union-attr]
+        self.manager.schedule.install(fit=True)  # type: ignore[union-attr]
