@@ -21,8 +21,6 @@ gives up after :data:`ABORT_GRACE` instead of the timeout.
 from __future__ import annotations
 
 import contextlib
-import math
-import numbers
 import os
 import pickle
 import threading
@@ -35,41 +33,15 @@ import torch.distributed as dist
 
 from . import topology
 from .errors import Failure, RankFailure
+from .options import checked_timeout, default_timeout
 from .outcomes import Abort, Agreed, Diverged, Failed, Outcome, TimedOut, Wait
 from .torch_compat import default_store
 
 T = TypeVar("T")
 
-DEFAULT_TIMEOUT = 1800.0
-"""Seconds a collective waits for the slowest rank (``RANKSAFE_TIMEOUT`` overrides it)."""
-
 ABORT_GRACE = 2.0
 """Once a rank has aborted, seconds an exchange still waits for the ranks it misses (ranks that all failed alike
 still meet)."""
-
-
-def checked_timeout(timeout: Any, name: str = "timeout") -> float | None:
-    """``timeout`` in seconds, or None; anything but a positive, finite number (or None) is a ``ValueError`` naming
-    ``name``: a zero or negative timeout would report every rank missing at once, an infinite one never."""
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 < timeout < math.inf:
-        raise ValueError(f"{name} must be a positive number of seconds or None, not {timeout!r}")
-    return float(timeout)
-
-
-def default_timeout() -> float:
-    """Seconds a collective waits when no timeout is given: ``RANKSAFE_TIMEOUT``, else :data:`DEFAULT_TIMEOUT`."""
-    text = os.environ.get("RANKSAFE_TIMEOUT")
-    if text is None:
-        return DEFAULT_TIMEOUT
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = math.nan  # refused below, with the variable's text
-    if not 0 < seconds < math.inf:
-        raise ValueError(f"RANKSAFE_TIMEOUT must be a positive number of seconds, not {text!r}")
-    return seconds
 
 
 # -- the session: this process's state in one process group -----------------------------------------------
